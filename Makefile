@@ -1,0 +1,44 @@
+# Every target sets up .venv first (idempotent), so each works on a fresh clone.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.mint-installed
+# A pinned CPU torch: an unpinned one pulls a multi-GB CUDA build. GPU clusters install their own CUDA torch first.
+TORCH   ?= torch==2.13.0
+
+.PHONY: setup run test test-fast lint format bench docs clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/mint train recipes/smoke.toml
+
+test: setup
+	$(BIN)/pytest -q
+
+test-fast: setup
+	$(BIN)/pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: setup
+	$(BIN)/python bench/rollout_prefix.py
+
+docs: setup
+	$(BIN)/python -m mint.config > docs/configuration.md
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

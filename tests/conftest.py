@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny MoE models built locally (nothing is downloaded), saved and loaded through from_pretrained."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from mint.models import tiny_config
+
+# Tests run on 2 cores next to Ray workers: one torch thread each keeps them from fighting over the cores.
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+def build_random_tiny(family: str, directory: str, vocab_size: int = 97, seed: int = 0, init_std: float = 0.05) -> str:
+    """Save a randomly initialised tiny MoE to `directory` and return it.
+
+    init_std 0.05 instead of transformers' 0.02: with 0.02 the random experts are so weak that routing barely moves
+    the logits, which would let route bugs pass unnoticed.
+    """
+    torch.manual_seed(seed)
+    config = tiny_config(family, vocab_size, initializer_range=init_std)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session", params=["qwen3_moe", "qwen2_moe"])
+def random_tiny_path(request, tmp_path_factory) -> str:
+    """Path of a random-init tiny MoE of each family (parametrized), saved with save_pretrained."""
+    family = request.param
+    return build_random_tiny(family, str(tmp_path_factory.mktemp(family)))
+
+
+@pytest.fixture(scope="session")
+def random_qwen3_path(tmp_path_factory) -> str:
+    return build_random_tiny("qwen3_moe", str(tmp_path_factory.mktemp("qwen3_moe_only")))
+
+
+def load_fp32(path: str) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()

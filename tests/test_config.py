@@ -1,0 +1,113 @@
+"""Recipes: loading, overrides, one-line errors with exit code 2, and docs/configuration.md kept in sync."""
+
+import dataclasses
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mint.cli import main
+from mint.config import Config, ConfigError, all_keys, build_config, config_markdown, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_recipe_loads():
+    recipes = sorted((ROOT / "recipes").glob("*.toml"))
+    assert recipes, "no recipes found"
+    for recipe in recipes:
+        config = load_config(recipe)
+        assert isinstance(config, Config)
+        assert "mint train" in recipe.read_text().splitlines()[1], f"{recipe.name}: header must give the launch command"
+
+
+def test_overrides_parse_as_toml_and_strings_need_no_quotes():
+    config = build_config({}, ["grpo.kl_coef=0.05", "model.path=org/some-model", "rollout.stop_tokens=['</a>']",
+                               "grpo.scale_std=false", "learner.lr=1"])
+    assert config.grpo.kl_coef == 0.05
+    assert config.model.path == "org/some-model"
+    assert config.rollout.stop_tokens == ["</a>"]
+    assert config.grpo.scale_std is False
+    assert config.learner.lr == 1.0 and isinstance(config.learner.lr, float)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("grpo.bogus_key=1", "grpo.bogus_key: unknown key"),
+        ("grpo.kl_coeff=0.1", "grpo.kl_coeff: unknown key (did you mean grpo.kl_coef?)"),
+        ("rollot.group_size=4", "rollot.group_size: unknown key (did you mean rollout.group_size?)"),
+        ("learner.zero_stage=4", "learner.zero_stage: 4 is above the maximum 3"),
+        ("rollout.group_size=1", "rollout.group_size: 1 is below the minimum 2"),
+        ("rollout.temperature=0", "rollout.temperature: 0.0 must be greater than 0.0"),
+        ("learner.lr=fast", "learner.lr: expected a number, got 'fast'"),
+        ("grpo.steps=2.5", "grpo.steps: expected an integer, got 2.5"),
+        ("grpo.scale_std=1", "grpo.scale_std: expected true or false, got 1"),
+        ("grpo.loss_agg=sum", "grpo.loss_agg: 'sum' is not one of token-mean, seq-mean-token-mean, constant"),
+        ("lora.target_modules=q_proj", "lora.target_modules: expected a list of strings"),
+        ("justtext", "justtext: an override must look like section.key=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as err:
+        build_config({}, [override])
+    message = str(err.value)
+    assert message.startswith(expected)
+    assert "\n" not in message
+
+
+def test_bad_recipe_table_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[grpo]\nsteps = 'many'\n")
+    with pytest.raises(ConfigError, match=r"^grpo.steps: expected an integer"):
+        load_config(bad)
+    bad.write_text("grpo = 3\n")
+    with pytest.raises(ConfigError, match=r"^grpo: expected a \[grpo\] table"):
+        load_config(bad)
+    bad.write_text("[grpo\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="recipe not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_cli_bad_key_exits_2_with_one_line(capsys):
+    code = main(["train", str(ROOT / "recipes/smoke.toml"), "grpo.bogus_key=1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "grpo.bogus_key" in err
+
+
+def test_cli_bad_key_as_a_real_process():
+    """The acceptance check, as a user runs it: exit 2, one line on stderr, no traceback."""
+    proc = subprocess.run([sys.executable, "-m", "mint.cli", "train", "recipes/smoke.toml", "grpo.bogus_key=1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "grpo.bogus_key" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_config_is_frozen_and_pickles():
+    config = build_config({}, ["grpo.steps=3"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.grpo.steps = 4  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(config)) == config
+    assert config.digest() == pickle.loads(pickle.dumps(config)).digest()
+    assert config.digest() != build_config({}, ["grpo.steps=4"]).digest()
+
+
+def test_every_field_has_help():
+    for key in all_keys():
+        section, name = key.split(".")
+        f = next(f for f in dataclasses.fields(getattr(Config(), section)) if f.name == name)
+        assert f.metadata.get("help"), f"{key} has no help string"
+
+
+def test_configuration_doc_in_sync():
+    doc = (ROOT / "docs/configuration.md").read_text()
+    assert doc.strip() == config_markdown().strip(), "regenerate with: make docs"
+    for key in all_keys():
+        assert f"`{key}`" in doc
