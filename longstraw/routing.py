@@ -95,7 +95,8 @@ def router_indices(module: nn.Module, output) -> torch.Tensor:
         )
     indices_T_K = output[2]
     if indices_T_K.dim() != 2:
-        raise LongStrawError(f"{type(module).__name__} returned indices of shape {tuple(indices_T_K.shape)}, not [T, k]")
+        shape = tuple(indices_T_K.shape)
+        raise LongStrawError(f"{type(module).__name__} returned indices of shape {shape}, not [T, k]")
     return indices_T_K
 
 
@@ -130,7 +131,7 @@ class RouteRecorder(RouterHooks):
         """
         missing = [layer for layer, per_layer in enumerate(self._pending) if not per_layer]
         if missing:
-            raise LongStrawError(f"no routes recorded for MoE layers {missing}; was there a forward since the last pop?")
+            raise LongStrawError(f"no routes recorded for MoE layers {missing}; no forward since the last pop?")
         latest_L = [per_layer[-1] for per_layer in self._pending]
         self.clear()
         num_tokens = {indices_T_K.shape for indices_T_K in latest_L}
