@@ -24,8 +24,16 @@ def test_every_recipe_loads():
 
 
 def test_overrides_parse_as_toml_and_strings_need_no_quotes():
-    config = build_config({}, ["grpo.kl_coef=0.05", "model.path=org/some-model", "rollout.stop_tokens=['</a>']",
-                               "grpo.scale_std=false", "learner.lr=1"])
+    config = build_config(
+        {},
+        [
+            "grpo.kl_coef=0.05",
+            "model.path=org/some-model",
+            "rollout.stop_tokens=['</a>']",
+            "grpo.scale_std=false",
+            "learner.lr=1",
+        ],
+    )
     assert config.grpo.kl_coef == 0.05
     assert config.model.path == "org/some-model"
     assert config.rollout.stop_tokens == ["</a>"]
@@ -82,8 +90,13 @@ def test_cli_bad_key_exits_2_with_one_line(capsys):
 
 def test_cli_bad_key_as_a_real_process():
     """The acceptance check, as a user runs it: exit 2, one line on stderr, no traceback."""
-    proc = subprocess.run([sys.executable, "-m", "mint.cli", "train", "recipes/smoke.toml", "grpo.bogus_key=1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mint.cli", "train", "recipes/smoke.toml", "grpo.bogus_key=1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "grpo.bogus_key" in lines[0], proc.stderr

@@ -1,0 +1,53 @@
+"""Per-step metrics: one JSON line per step in <run>/metrics.jsonl, wandb when enabled, and a progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from mint.config import Config
+
+BAR_KEYS = ("reward_mean", "loss", "kl", "tokens_per_s")
+
+
+class RunLogger:
+    def __init__(self, config: Config, directory: Path):
+        self.path = Path(directory) / "metrics.jsonl"
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - open for the whole run, closed in close()
+        self._wandb = None
+        if config.logging.wandb:
+            import wandb
+
+            # Offline unless the user configured an account: a run must never block on a login prompt.
+            if not os.environ.get("WANDB_API_KEY"):
+                os.environ.setdefault("WANDB_MODE", "offline")
+            self._wandb = wandb.init(
+                project=config.logging.wandb_project,
+                name=config.logging.name,
+                config=config.to_dict(),
+                dir=str(directory),
+            )
+        self._bar = None
+        if config.logging.progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=config.grpo.steps, desc="grpo", file=sys.stderr, dynamic_ncols=True)
+
+    def log(self, metrics: dict) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        self._file.write(json.dumps(clean, sort_keys=True) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in clean.items() if isinstance(v, (int, float))}, step=metrics["step"])
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix({k: f"{metrics[k]:.3g}" for k in BAR_KEYS if isinstance(metrics.get(k), float)})
+
+    def close(self) -> None:
+        self._file.close()
+        if self._bar is not None:
+            self._bar.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -1,0 +1,100 @@
+"""RolloutActor: samples G responses per prompt with the built-in engine and scores them with the reward function.
+
+It holds the frozen base plus a LoRA adapter of the same shape as the learner's. Weight sync is a revision
+publish: the driver hands it the adapter's safetensors bytes (through the object store) and the revision id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mint.config import Config
+from mint.errors import ConfigError
+from mint.rollout import GroupRollout, SamplingParams
+from mint.tasks import Example
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """One prompt's rollout plus its rewards, and which adapter revision produced it."""
+
+    example: Example
+    rollout: GroupRollout
+    responses: list[str]
+    rewards_G: list[float]
+    reward_errors: int
+    revision: str | None
+
+
+def prompt_tokens(tokenizer, example: Example, system_prompt: str = "") -> list[int]:
+    """The chat-templated prompt, ending with the assistant header, as token ids."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": example.prompt})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stop_token_ids(tokenizer, stop_tokens: list[str]) -> tuple[int, ...]:
+    ids = []
+    for tok in stop_tokens:
+        enc = tokenizer(tok, add_special_tokens=False)["input_ids"]
+        if len(enc) != 1:
+            raise ConfigError(f"rollout.stop_tokens: {tok!r} is {len(enc)} tokens for this tokenizer, not one")
+        ids.append(enc[0])
+    return tuple(ids)
+
+
+class RolloutActor:
+    def __init__(self, config: Config, model_path: str):
+        from transformers import AutoTokenizer
+
+        from mint.lora import add_lora
+        from mint.models import load_model
+        from mint.rewards import resolve_reward
+        from mint.rollout import RolloutEngine
+
+        torch.set_num_threads(config.ray.torch_threads)
+        self.config = config
+        use_cuda = config.ray.rollout_gpus > 0 and torch.cuda.is_available()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = add_lora(load_model(model_path, config.model.dtype), config.lora, config.grpo.seed)
+        self.model = model.to("cuda") if use_cuda else model
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None:
+            eos_ids.append(self.tokenizer.eos_token_id)
+        self.engine = RolloutEngine(self.model, sorted(set(eos_ids)))
+        r = config.rollout
+        self.params = SamplingParams(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_tokens=r.max_tokens,
+            stop_token_ids=stop_token_ids(self.tokenizer, r.stop_tokens),
+        )
+        self.reward_fn = resolve_reward(config.data.reward)
+        self.revision: str | None = None
+
+    def load_adapter(self, revision: str, data: bytes) -> str:
+        """Hot-load an adapter revision (safetensors bytes); the base never moves."""
+        from mint.lora import load_lora_state
+        from mint.revisions import from_bytes
+
+        load_lora_state(self.model, from_bytes(data))
+        self.revision = revision
+        return revision
+
+    def rollout(self, examples: list[Example], seed: int) -> list[GroupResult]:
+        from mint.rewards import score
+
+        prompts = [prompt_tokens(self.tokenizer, ex, self.config.data.system_prompt) for ex in examples]
+        groups = self.engine.generate(prompts, self.config.rollout.group_size, self.params, seed)
+        results = []
+        for ex, group in zip(examples, groups, strict=True):
+            responses = [
+                self.tokenizer.decode(c.tokens_R.tolist(), skip_special_tokens=True) for c in group.completions
+            ]
+            scored = score(self.reward_fn, responses, [ex.answer] * len(responses))
+            results.append(GroupResult(ex, group, responses, list(scored.rewards), scored.errors, self.revision))
+        return results

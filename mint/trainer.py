@@ -1,0 +1,254 @@
+"""The driver: one GRPO run, top to bottom.
+
+    prompts -> RolloutActors (sample G, score rewards) -> group advantages -> LearnerActors (one optimizer step)
+            -> publish the new adapter revision -> RolloutActors hot-load it -> log
+
+Weight sync *is* revision publish: the learner's LoRA tensors travel as safetensors bytes through the Ray object
+store, and every `save_every` steps they are also written to the run directory as a PEFT adapter directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from mint.config import Config, run_dir
+from mint.data import load_dataset
+from mint.grpo import group_advantages_batch, zero_variance_mask
+from mint.learner import GroupBatch, LearnerActor, MicroStep, StepPlan
+from mint.metrics import RunLogger
+from mint.revisions import from_bytes, revision_id, write_revision_dir
+from mint.rollout_actor import GroupResult, RolloutActor
+from mint.tiny import resolve_model_path
+
+
+@dataclass
+class Cluster:
+    """The actors of one run and the placement group that holds them."""
+
+    learners: list
+    rollouts: list
+    pg: object
+    started_ray: bool
+
+    def close(self) -> None:
+        for actor in self.learners + self.rollouts:
+            ray.kill(actor)
+        remove_placement_group(self.pg)
+        if self.started_ray:
+            ray.shutdown()
+
+
+@dataclass
+class Revision:
+    id: str
+    step: int
+    data: bytes = field(repr=False)
+    parent: str | None = None
+
+
+def start_cluster(config: Config, model_path: str) -> Cluster:
+    """Start (or join) Ray, reserve one bundle per actor, create the actors and wire the learner's process group."""
+    r = config.ray
+    started = False
+    if not ray.is_initialized():
+        n_bundles = config.learner.num_ranks * r.learner_cpus + config.rollout.num_actors * r.rollout_cpus
+        # A local cluster gets at least one logical CPU per bundle: tiny actors share 2 cores fine.
+        local_cpus = max(os.cpu_count() or 1, math.ceil(n_bundles))
+        kwargs = dict(address=r.address) if r.address else dict(num_cpus=local_cpus)
+        # Actor logs stay in Ray's session folder: the driver's stdout ends with one JSON line, nothing after it.
+        ray.init(include_dashboard=False, log_to_driver=False, **kwargs)
+        started = True
+    learner_bundle = {"CPU": r.learner_cpus, **({"GPU": r.learner_gpus} if r.learner_gpus else {})}
+    rollout_bundle = {"CPU": r.rollout_cpus, **({"GPU": r.rollout_gpus} if r.rollout_gpus else {})}
+    bundles = [learner_bundle] * config.learner.num_ranks + [rollout_bundle] * config.rollout.num_actors
+    pg = placement_group(bundles, strategy=r.placement)
+    ray.get(pg.ready())
+
+    def on(i: int, resources: dict):
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+        return dict(num_cpus=resources["CPU"], num_gpus=resources.get("GPU", 0), scheduling_strategy=strategy)
+
+    # The actor classes stay plain classes (importable, so Ray pickles their methods by reference) and become
+    # actors here.
+    n = config.learner.num_ranks
+    learner_cls, rollout_cls = ray.remote(LearnerActor), ray.remote(RolloutActor)
+    learners = [learner_cls.options(**on(i, learner_bundle)).remote(config, model_path, i, n) for i in range(n)]
+    rollouts = [
+        rollout_cls.options(**on(n + j, rollout_bundle)).remote(config, model_path)
+        for j in range(config.rollout.num_actors)
+    ]
+    addr, port = ray.get(learners[0].address.remote())
+    ray.get([learner.setup.remote(addr, port) for learner in learners])
+    return Cluster(learners, rollouts, pg, started)
+
+
+def publish(cluster: Cluster, step: int, parent: str | None) -> Revision:
+    """Collect the learner's LoRA state (rank 0; collective under ZeRO-3) and hot-load it into every rollout actor."""
+    data = ray.get([learner.lora_state_bytes.remote() for learner in cluster.learners])[0]
+    rev = Revision(revision_id(from_bytes(data)), step, data, parent)
+    ref = ray.put(data)
+    ray.get([actor.load_adapter.remote(rev.id, ref) for actor in cluster.rollouts])
+    return rev
+
+
+def run_rollouts(cluster: Cluster, examples: list, seed: int) -> list[GroupResult]:
+    """Spread the step's prompts over the rollout actors; each group stays on one actor (shared prefix)."""
+    n = len(cluster.rollouts)
+    shards = [examples[i::n] for i in range(n)]
+    pairs = zip(cluster.rollouts, shards, strict=True)
+    futures = [actor.rollout.remote(shard, seed * 1000 + i) for i, (actor, shard) in enumerate(pairs) if shard]
+    return [g for shard in ray.get(futures) for g in shard]
+
+
+def plan_step(groups: list[GroupBatch], world_size: int) -> list[StepPlan]:
+    """Assign groups to ranks (fewest tokens first) and pad every rank to the same number of micro-steps."""
+    tokens = [sum(len(r) for r in g.responses) for g in groups]
+    loads = [0] * world_size
+    assigned: list[list[GroupBatch]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(groups)), key=lambda i: -tokens[i]):
+        rank = loads.index(min(loads))
+        assigned[rank].append(groups[i])
+        loads[rank] += tokens[i]
+    n_micro = max(len(a) for a in assigned)
+    total_tokens, total_seqs = sum(tokens), sum(len(g.responses) for g in groups)
+    return [
+        StepPlan(
+            [MicroStep(g, True) for g in a] + [MicroStep(groups[0], False)] * (n_micro - len(a)),
+            total_tokens,
+            total_seqs,
+        )
+        for a in assigned
+    ]
+
+
+def to_batches(results: list[GroupResult], adv_B_G: torch.Tensor) -> list[GroupBatch]:
+    return [
+        GroupBatch(
+            prompt_tokens_P=res.rollout.prompt_tokens_P,
+            responses=[c.tokens_R for c in res.rollout.completions],
+            rollout_logprobs=[c.logprobs_R for c in res.rollout.completions],
+            adv_G=adv_B_G[b],
+        )
+        for b, res in enumerate(results)
+    ]
+
+
+def save_revision(config: Config, out: Path, rev: Revision, adapter_config: dict, metrics: dict) -> Path:
+    target = out / "adapters" / f"step_{rev.step:06d}"
+    meta = dict(
+        parent=rev.parent,
+        step=rev.step,
+        run=config.logging.name,
+        recipe_hash=config.digest(),
+        base_model=config.model.path,
+        metrics=metrics,
+    )
+    write_revision_dir(target, from_bytes(rev.data), adapter_config, meta)
+    if config.mint.keep_last:
+        kept = sorted((out / "adapters").glob("step_*"))
+        for old in kept[: -config.mint.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def train(config: Config) -> dict:
+    """Run GRPO for `config.grpo.steps` steps. Returns the run summary (also written to <run>/summary.json)."""
+    t_start = time.time()
+    out = run_dir(config)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+    model_path = resolve_model_path(config.model.path)
+    stream = load_dataset(config.data.source, config.data.prompt_key, config.data.answer_key).batches(
+        config.rollout.prompts_per_step, config.grpo.seed
+    )
+    cluster = start_cluster(config, model_path)
+    logger = RunLogger(config, out)
+    try:
+        adapter_config = ray.get(cluster.learners[0].adapter_config.remote(model_path))
+        rev = publish(cluster, 0, None)
+        rewards_per_step: list[float] = []
+        for step in range(1, config.grpo.steps + 1):
+            t0 = time.time()
+            results = run_rollouts(cluster, next(stream), config.grpo.seed + step)
+            t_rollout = time.time() - t0
+            rewards_B_G = torch.tensor([r.rewards_G for r in results], dtype=torch.float32)
+            adv_B_G = group_advantages_batch(rewards_B_G, scale_std=config.grpo.scale_std)
+            keep_B = (
+                zero_variance_mask(rewards_B_G)
+                if config.grpo.filter_zero_variance
+                else torch.ones(len(results), dtype=torch.bool)
+            )
+            batches = [b for b, k in zip(to_batches(results, adv_B_G), keep_B.tolist(), strict=True) if k]
+            t1 = time.time()
+            sums = {}
+            if batches:
+                plans = plan_step(batches, len(cluster.learners))
+                per_rank = ray.get([lr.step.remote(p) for lr, p in zip(cluster.learners, plans, strict=True)])
+                sums = {k: sum(r[k] for r in per_rank) for k in ("loss", "kl", "clipped", "tokens")}
+                sums["grad_norm"] = per_rank[0]["grad_norm"]
+                sums["peak_memory_mb"] = max(r["peak_memory_mb"] for r in per_rank)
+                rev = publish(cluster, step, rev.id)
+            t_learn = time.time() - t1
+            gen_tokens = sum(len(c.tokens_R) for r in results for c in r.rollout.completions)
+            metrics = dict(
+                step=step,
+                reward_mean=float(rewards_B_G.mean()),
+                reward_std=float(rewards_B_G.std(unbiased=False)),
+                reward_errors=sum(r.reward_errors for r in results),
+                groups_kept=len(batches),
+                loss=sums.get("loss", 0.0),
+                kl=sums.get("kl", 0.0) / max(sums.get("tokens", 0.0), 1.0),
+                clip_frac=sums.get("clipped", 0.0) / max(sums.get("tokens", 0.0), 1.0),
+                grad_norm=sums.get("grad_norm", 0.0),
+                response_tokens=gen_tokens,
+                response_len_mean=gen_tokens / rewards_B_G.numel(),
+                tokens_per_s=gen_tokens / max(time.time() - t0, 1e-9),
+                rollout_s=t_rollout,
+                learn_s=t_learn,
+                step_s=time.time() - t0,
+                peak_memory_mb=sums.get("peak_memory_mb", 0.0),
+                revision=rev.id,
+            )
+            if step % config.mint.save_every == 0 or step == config.grpo.steps:
+                save_revision(config, out, rev, adapter_config, {"reward_mean": metrics["reward_mean"]})
+            rewards_per_step.append(metrics["reward_mean"])
+            logger.log(metrics)
+        final_digests = ray.get([lr.param_digests.remote() for lr in cluster.learners])
+    finally:
+        logger.close()
+        cluster.close()
+    summary = summarize(rewards_per_step, rev.id, time.time() - t_start)
+    summary.update(
+        run_dir=str(out),
+        adapter=str(out / "adapters" / f"step_{rev.step:06d}"),
+        base_digest=final_digests[0]["base"],
+        lora_digest=final_digests[0]["lora"],
+    )
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    return summary
+
+
+def summarize(rewards_per_step: list[float], revision: str, seconds: float) -> dict:
+    """reward_first / reward_last: mean step reward over the first and last 10% of steps (at least one step)."""
+    k = max(1, round(0.1 * len(rewards_per_step)))
+    first = sum(rewards_per_step[:k]) / k
+    last = sum(rewards_per_step[-k:]) / k
+    return dict(
+        steps=len(rewards_per_step),
+        reward_first=round(first, 4),
+        reward_last=round(last, 4),
+        reward_gain=round(last - first, 4),
+        revision=revision,
+        seconds=round(seconds, 1),
+    )
