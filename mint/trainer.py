@@ -198,6 +198,7 @@ def train(config: Config) -> dict:
                 sums = {k: sum(r[k] for r in per_rank) for k in ("loss", "kl", "clipped", "tokens")}
                 sums["grad_norm"] = per_rank[0]["grad_norm"]
                 sums["peak_memory_mb"] = max(r["peak_memory_mb"] for r in per_rank)
+                sums["logp_diff_max"] = max(r["logp_diff_max"] for r in per_rank)
                 rev = publish(cluster, step, rev.id)
             t_learn = time.time() - t1
             gen_tokens = sum(len(c.tokens_R) for r in results for c in r.rollout.completions)
@@ -218,6 +219,7 @@ def train(config: Config) -> dict:
                 learn_s=t_learn,
                 step_s=time.time() - t0,
                 peak_memory_mb=sums.get("peak_memory_mb", 0.0),
+                logp_diff_max=sums.get("logp_diff_max", 0.0),
                 revision=rev.id,
             )
             if step % config.mint.save_every == 0 or step == config.grpo.steps:

@@ -53,6 +53,8 @@ def test_smoke_recipe_trains_lora_and_never_moves_the_base(tmp_path):
         for key in ("reward_mean", "reward_std", "loss", "kl", "clip_frac", "tokens_per_s", "step_s", "peak_memory_mb"):
             assert key in m, key
         assert 0.0 <= m["reward_mean"] <= 1.0 and m["peak_memory_mb"] > 0
+        # The rollout actor sampled with exactly the revision the learner scores: same logprobs up to fp32 noise.
+        assert m["logp_diff_max"] < 1e-4, m["logp_diff_max"]
     assert summary["steps"] == 4 and summary["revision"] == lines[-1]["revision"]
 
     # Revisions were written every 2 steps as PEFT adapter directories, content-addressed, with lineage.
@@ -99,3 +101,23 @@ def test_cli_main_job_prints_json_last_line_under_zero3(tmp_path):
     config = load_config(ROOT / "recipes/smoke.toml")
     fresh = add_lora(load_model(resolve_model_path(config.model.path)), config.lora, config.grpo.seed)
     assert summary["base_digest"] == _digests(fresh)["base"], "ZeRO-3 gathered base differs from the base on disk"
+
+
+def test_a_raising_reward_function_is_counted_and_never_stops_the_run(tmp_path):
+    """operator:truediv raises TypeError on (str, str): every sample scores 0 and is counted; the run finishes."""
+    config = load_config(
+        ROOT / "recipes/smoke.toml",
+        [
+            "grpo.steps=2",
+            "learner.num_ranks=1",
+            "data.reward=operator:truediv",
+            f"logging.root={tmp_path}",
+            "logging.name=raising",
+            "logging.progress=false",
+        ],
+    )
+    summary = train(config)
+    lines = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    group_size, prompts = config.rollout.group_size, config.rollout.prompts_per_step
+    assert [m["reward_errors"] for m in lines] == [group_size * prompts] * 2
+    assert all(m["reward_mean"] == 0.0 for m in lines) and summary["steps"] == 2
