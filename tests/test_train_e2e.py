@@ -36,6 +36,7 @@ def test_smoke_recipe_trains_lora_and_never_moves_the_base(tmp_path):
             "logging.progress=false",
             "mint.save_every=2",
             "learner.num_ranks=2",
+            "grpo.kl_coef=0.01",
         ],
     )
     summary = train(config)
@@ -56,6 +57,8 @@ def test_smoke_recipe_trains_lora_and_never_moves_the_base(tmp_path):
         # The rollout actor sampled with exactly the revision the learner scores: same logprobs up to fp32 noise.
         assert m["logp_diff_max"] < 1e-4, m["logp_diff_max"]
     assert summary["steps"] == 4 and summary["revision"] == lines[-1]["revision"]
+    # KL to the reference (the same model with the adapter disabled): exactly 0 while LoRA B is still 0 at step 1.
+    assert lines[0]["kl"] == 0.0 and lines[-1]["kl"] > 0.0
 
     # Revisions were written every 2 steps as PEFT adapter directories, content-addressed, with lineage.
     saved = sorted(p.name for p in (run / "adapters").iterdir())
@@ -85,6 +88,7 @@ def test_cli_main_job_prints_json_last_line_under_zero3(tmp_path):
             "recipes/smoke.toml",
             "grpo.steps=2",
             "learner.zero_stage=3",
+            "grpo.filter_zero_variance=true",
             f"logging.root={tmp_path}",
             "logging.name=cli",
             "logging.progress=false",
