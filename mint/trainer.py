@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,16 +163,49 @@ def save_revision(config: Config, out: Path, rev: Revision, adapter_config: dict
     return target
 
 
+def prepare_run_dir(config: Config) -> Path:
+    """A fresh run directory. An earlier run under the same name is moved aside, never overwritten or mixed in."""
+    out = run_dir(config)
+    if out.exists() and any(out.iterdir()):
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(out.stat().st_mtime))
+        moved = out.with_name(f"{out.name}.{stamp}")
+        n = 1
+        while moved.exists():
+            moved, n = out.with_name(f"{out.name}.{stamp}-{n}"), n + 1
+        out.rename(moved)
+        print(f"mint: moved the previous run in {out} to {moved}", file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+    return out
+
+
+def make_batches(config: Config, results: list[GroupResult]) -> tuple[list[GroupBatch], torch.Tensor]:
+    """Group-relative advantages, then the learner's batches (zero-variance groups dropped when asked)."""
+    rewards_B_G = torch.tensor([r.rewards_G for r in results], dtype=torch.float32)
+    adv_B_G = group_advantages_batch(rewards_B_G, scale_std=config.grpo.scale_std)
+    batches = to_batches(results, adv_B_G)
+    if config.grpo.filter_zero_variance:
+        batches = [b for b, keep in zip(batches, zero_variance_mask(rewards_B_G).tolist(), strict=True) if keep]
+    return batches, rewards_B_G
+
+
+def learn(cluster: Cluster, batches: list[GroupBatch]) -> dict:
+    """One optimizer step over the learner group; returns the ranks' sums (loss, kl, clipped, tokens) and maxima."""
+    plans = plan_step(batches, len(cluster.learners))
+    per_rank = ray.get([lr.step.remote(p) for lr, p in zip(cluster.learners, plans, strict=True)])
+    sums = {k: sum(r[k] for r in per_rank) for k in ("loss", "kl", "clipped", "tokens")}
+    sums.update({k: max(r[k] for r in per_rank) for k in ("peak_memory_mb", "logp_diff_max")})
+    sums["grad_norm"] = per_rank[0]["grad_norm"]  # already global: DeepSpeed reduces it across ranks
+    return sums
+
+
 def train(config: Config) -> dict:
     """Run GRPO for `config.grpo.steps` steps. Returns the run summary (also written to <run>/summary.json)."""
     t_start = time.time()
-    out = run_dir(config)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+    out = prepare_run_dir(config)
     model_path = resolve_model_path(config.model.path)
-    stream = load_dataset(config.data.source, config.data.prompt_key, config.data.answer_key).batches(
-        config.rollout.prompts_per_step, config.grpo.seed
-    )
+    dataset = load_dataset(config.data.source, config.data.prompt_key, config.data.answer_key)
+    stream = dataset.batches(config.rollout.prompts_per_step, config.grpo.seed)
     cluster = start_cluster(config, model_path)
     logger = RunLogger(config, out)
     try:
@@ -182,26 +216,14 @@ def train(config: Config) -> dict:
             t0 = time.time()
             results = run_rollouts(cluster, next(stream), config.grpo.seed + step)
             t_rollout = time.time() - t0
-            rewards_B_G = torch.tensor([r.rewards_G for r in results], dtype=torch.float32)
-            adv_B_G = group_advantages_batch(rewards_B_G, scale_std=config.grpo.scale_std)
-            keep_B = (
-                zero_variance_mask(rewards_B_G)
-                if config.grpo.filter_zero_variance
-                else torch.ones(len(results), dtype=torch.bool)
-            )
-            batches = [b for b, k in zip(to_batches(results, adv_B_G), keep_B.tolist(), strict=True) if k]
-            t1 = time.time()
+            batches, rewards_B_G = make_batches(config, results)
             sums = {}
             if batches:
-                plans = plan_step(batches, len(cluster.learners))
-                per_rank = ray.get([lr.step.remote(p) for lr, p in zip(cluster.learners, plans, strict=True)])
-                sums = {k: sum(r[k] for r in per_rank) for k in ("loss", "kl", "clipped", "tokens")}
-                sums["grad_norm"] = per_rank[0]["grad_norm"]
-                sums["peak_memory_mb"] = max(r["peak_memory_mb"] for r in per_rank)
-                sums["logp_diff_max"] = max(r["logp_diff_max"] for r in per_rank)
+                sums = learn(cluster, batches)
                 rev = publish(cluster, step, rev.id)
-            t_learn = time.time() - t1
+            tokens = max(sums.get("tokens", 0.0), 1.0)
             gen_tokens = sum(len(c.tokens_R) for r in results for c in r.rollout.completions)
+            step_s = time.time() - t0
             metrics = dict(
                 step=step,
                 reward_mean=float(rewards_B_G.mean()),
@@ -209,17 +231,17 @@ def train(config: Config) -> dict:
                 reward_errors=sum(r.reward_errors for r in results),
                 groups_kept=len(batches),
                 loss=sums.get("loss", 0.0),
-                kl=sums.get("kl", 0.0) / max(sums.get("tokens", 0.0), 1.0),
-                clip_frac=sums.get("clipped", 0.0) / max(sums.get("tokens", 0.0), 1.0),
+                kl=sums.get("kl", 0.0) / tokens,
+                clip_frac=sums.get("clipped", 0.0) / tokens,
                 grad_norm=sums.get("grad_norm", 0.0),
+                logp_diff_max=sums.get("logp_diff_max", 0.0),
                 response_tokens=gen_tokens,
                 response_len_mean=gen_tokens / rewards_B_G.numel(),
-                tokens_per_s=gen_tokens / max(time.time() - t0, 1e-9),
+                tokens_per_s=gen_tokens / max(step_s, 1e-9),
                 rollout_s=t_rollout,
-                learn_s=t_learn,
-                step_s=time.time() - t0,
+                learn_s=step_s - t_rollout,
+                step_s=step_s,
                 peak_memory_mb=sums.get("peak_memory_mb", 0.0),
-                logp_diff_max=sums.get("logp_diff_max", 0.0),
                 revision=rev.id,
             )
             if step % config.mint.save_every == 0 or step == config.grpo.steps:

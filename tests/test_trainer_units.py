@@ -1,0 +1,56 @@
+"""The driver's pure pieces: step planning across ranks, the run summary, and the run directory."""
+
+import json
+
+import torch
+
+from mint.config import build_config
+from mint.learner import GroupBatch
+from mint.trainer import plan_step, prepare_run_dir, summarize
+
+
+def _group(lengths: list[int]) -> GroupBatch:
+    return GroupBatch(
+        prompt_tokens_P=torch.tensor([1, 2, 3]),
+        responses=[torch.ones(n, dtype=torch.long) for n in lengths],
+        rollout_logprobs=[torch.zeros(n) for n in lengths],
+        adv_G=torch.zeros(len(lengths)),
+    )
+
+
+def test_plan_step_balances_tokens_and_pads_ranks_to_lockstep():
+    groups = [_group([5, 5]), _group([1, 1]), _group([2, 2]), _group([4, 4]), _group([1, 2])]  # 10, 2, 4, 8, 3 tokens
+    plans = plan_step(groups, world_size=2)
+    assert len({len(p.micro_steps) for p in plans}) == 1, "ranks must run the same number of micro-steps"
+    real = [[m.group for m in p.micro_steps if m.real] for p in plans]
+    assert sorted(id(g) for r in real for g in r) == sorted(id(g) for g in groups), "each group exactly once"
+    loads = [sum(len(r) for g in rank for r in g.responses) for rank in real]
+    assert loads == [13, 14] or loads == [14, 13]  # greedy by size: 10+3 | 8+4+2
+    assert all(p.total_tokens == 27 and p.total_seqs == 10 for p in plans)
+
+
+def test_plan_step_gives_an_idle_rank_zero_weight_copies():
+    plans = plan_step([_group([3, 3])], world_size=3)
+    assert [len(p.micro_steps) for p in plans] == [1, 1, 1]
+    assert sum(m.real for p in plans for m in p.micro_steps) == 1
+
+
+def test_summary_uses_first_and_last_ten_percent():
+    rewards = [0.0] * 5 + [0.5] * 40 + [1.0] * 5  # 50 steps: windows of 5
+    s = summarize(rewards, "rev", 12.34)
+    assert (s["reward_first"], s["reward_last"], s["reward_gain"]) == (0.0, 1.0, 1.0)
+    assert s["steps"] == 50 and s["seconds"] == 12.3
+    short = summarize([0.25, 0.75], "rev", 1.0)  # fewer than 10 steps: one-step windows
+    assert (short["reward_first"], short["reward_last"]) == (0.25, 0.75)
+
+
+def test_a_previous_run_is_moved_aside_not_mixed_in(tmp_path, capsys):
+    config = build_config({}, [f"logging.root={tmp_path}", "logging.name=r"])
+    first = prepare_run_dir(config)
+    (first / "metrics.jsonl").write_text('{"step": 1}\n')
+    second = prepare_run_dir(config)
+    assert second == first and not (second / "metrics.jsonl").exists()
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("r.")]
+    assert len(moved) == 1 and (moved[0] / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert json.loads((second / "config.json").read_text())["logging"]["name"] == "r"
+    assert "moved the previous run" in capsys.readouterr().err
