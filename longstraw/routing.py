@@ -145,3 +145,57 @@ class RouteRecorder(RouterHooks):
         if routes_T_L_K.shape[0] != batch * seq:
             raise LongStrawError(f"recorded {routes_T_L_K.shape[0]} routed tokens, expected {batch} x {seq}")
         return routes_T_L_K.view(batch, seq, *routes_T_L_K.shape[1:])
+
+
+class RouteReplay(RouterHooks):
+    """R3: make every router use recorded expert ids instead of its own top-k, for the tokens that have a route.
+
+    Usage:
+        with RouteReplay(model) as replay:
+            replay.set(routes_T_L_K, ok_T)   # T = tokens of the next forward, flattened row-major
+            model(input_ids_B_S)
+            native_T_L_K = replay.native()    # what the routers would have picked (for the out-of-route ratio)
+
+    For a token with `ok_T` true the experts are the recorded ids; their weights are recomputed from the learner's own
+    router logits: softmax over all experts, gathered at the recorded ids, renormalized when the router normalizes
+    its top-k. So the LoRA experts that run are the ones the rollout used, and gradients still reach a trainable
+    router. A token with `ok_T` false keeps the router's native choice; the caller gives it weight 0 in the policy
+    gradient (it is counted, never silently scored under another path).
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self._routes_T_L_K: torch.Tensor | None = None
+        self._ok_T: torch.Tensor | None = None
+        self._native: list[torch.Tensor | None] = [None] * len(self.routers)
+
+    def set(self, routes_T_L_K: torch.Tensor, ok_T: torch.Tensor) -> None:
+        if routes_T_L_K.dim() != 3 or routes_T_L_K.shape[1] != self.num_layers:
+            raise LongStrawError(f"routes must be [T, {self.num_layers}, k], got {tuple(routes_T_L_K.shape)}")
+        self._routes_T_L_K = routes_T_L_K.long()
+        self._ok_T = ok_T.bool()
+
+    def native(self) -> torch.Tensor:
+        """The routers' own top-k ids `[T, L, k]` from the latest forward."""
+        if any(n is None for n in self._native):
+            raise LongStrawError("no replayed forward yet")
+        return torch.stack(self._native, dim=1)
+
+    def _on_router_output(self, layer: int, module: nn.Module, output):
+        native_T_K = router_indices(module, output)
+        self._native[layer] = native_T_K.detach()
+        if self._routes_T_L_K is None:
+            raise LongStrawError("RouteReplay.set(routes, ok) must be called before each forward")
+        logits_T_E = output[0]
+        routes_T_K = self._routes_T_L_K[:, layer].to(native_T_K.device)
+        if routes_T_K.shape != native_T_K.shape:
+            raise LongStrawError(
+                f"layer {layer}: routes {tuple(routes_T_K.shape)} for {tuple(native_T_K.shape)} tokens"
+            )
+        ok_T = self._ok_T.to(native_T_K.device)
+        ids_T_K = torch.where(ok_T[:, None], routes_T_K, native_T_K)
+        probs_T_E = torch.softmax(logits_T_E.float(), dim=-1)
+        weights_T_K = probs_T_E.gather(-1, ids_T_K)
+        if getattr(module, "norm_topk_prob", False):
+            weights_T_K = weights_T_K / weights_T_K.sum(dim=-1, keepdim=True)
+        return logits_T_E, weights_T_K.to(logits_T_E.dtype), ids_T_K

@@ -109,6 +109,16 @@ class GrpoConfig:
         min=0.0,
     )
     filter_zero_variance: bool = knob(False, "Drop groups whose rewards are all equal: their advantage is 0.")
+    r3: bool = knob(
+        True,
+        "Rollout routing replay: the learner reuses the expert ids the rollout chose; tokens "
+        "whose route is missing or unmappable get weight 0 (counted by reason).",
+    )
+    icepop: bool = knob(
+        True, "IcePop: tokens whose learner/rollout probability ratio leaves [icepop_alpha, icepop_beta] get weight 0."
+    )
+    icepop_alpha: float = knob(0.5, "Lower edge of the trusted ratio band (inclusive).", gt=0.0, max=1.0)
+    icepop_beta: float = knob(5.0, "Upper edge of the trusted ratio band (inclusive).", min=1.0)
 
 
 @dataclass(frozen=True)

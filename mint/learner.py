@@ -11,6 +11,7 @@ The loss of a step is a sum over tokens of weight x per-token objective, with we
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 from dataclasses import dataclass
@@ -18,7 +19,9 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from longstraw.routing import RouteReplay
 from longstraw.scoring import token_logprobs
+from longstraw.trust import ExpertLayout, TrustCounts, icepop_status, out_of_route, route_status, trust_mask
 from mint.config import Config, norm_constant
 from mint.grpo import LossSpec, per_token_objective, token_weights
 
@@ -31,6 +34,19 @@ class GroupBatch:
     responses: list[torch.Tensor]  # G x int64 [R_i], stop token included
     rollout_logprobs: list[torch.Tensor]  # G x float32 [R_i], recorded by the rollout engine
     adv_G: torch.Tensor  # float32 [G]
+    # R3: routes recorded by the rollout engine (None for a dense model or when the record is missing).
+    prompt_routes_P1_L_K: torch.Tensor | None = None  # prompt positions 0..P-2
+    routes: list[torch.Tensor | None] | None = None  # G x [R_i, L, k]; row j = the position that produced token j
+
+
+@dataclass
+class _Replay:
+    """R3 inputs for one padded forward: recorded ids per flattened position, which positions replay them, and the
+    routers' native choices (filled by the forward)."""
+
+    routes_T_L_K: torch.Tensor
+    ok_T: torch.Tensor
+    native_T_L_K: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -118,12 +134,16 @@ class LearnerActor:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="nccl" if self.use_cuda else "gloo", auto_mpi_discovery=False)
 
+        from transformers import AutoConfig
+
         from mint.lora import add_lora
-        from mint.models import load_model
+        from mint.models import load_model, moe_layout
 
         config = self.config
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.use_cuda else torch.device("cpu")
         self.spec = loss_spec(config)
+        moe = moe_layout(AutoConfig.from_pretrained(self.model_path))
+        self.layout = None if moe is None else ExpertLayout(moe.num_layers, moe.num_experts, moe.top_k)
         model = add_lora(load_model(self.model_path, config.model.dtype), config.lora, config.grpo.seed)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=config.learner.lr, weight_decay=config.learner.weight_decay)
@@ -134,12 +154,15 @@ class LearnerActor:
 
     # ---- scoring -------------------------------------------------------------------------------------------------
 
-    def _score_group(self, group: GroupBatch, with_grad: bool, adapter: bool = True) -> list[torch.Tensor]:
+    def _score_group(
+        self, group: GroupBatch, with_grad: bool, adapter: bool = True, replay: _Replay | None = None
+    ) -> list[torch.Tensor]:
         """Logprobs of each response under the model: G x [R_i], fp32.
 
         The G sequences prompt + response[:-1] are right-padded into one [G, P + R_max - 1] batch: with causal
         attention, padding after a sequence cannot reach its real positions, so no attention mask is needed. Only
-        the last R_max positions produce logits (logits_to_keep), never [P, V].
+        the last R_max positions produce logits (logits_to_keep), never [P, V]. With `replay`, every router uses
+        the recorded expert ids of the positions that have a mappable route (R3).
         """
         tokens_P = group.prompt_tokens_P
         lengths = [len(r) for r in group.responses]
@@ -152,15 +175,50 @@ class LearnerActor:
             input_ids[i, : len(seq)] = seq
             targets_G_R[i, : len(resp)] = resp
         input_ids, targets_G_R = input_ids.to(self.device), targets_G_R.to(self.device)
-        with torch.set_grad_enabled(with_grad):
-            if adapter:
-                logits = self.engine(input_ids=input_ids, logits_to_keep=r_max, use_cache=False).logits
-            else:
-                with self.engine.module.disable_adapter():
-                    logits = self.engine(input_ids=input_ids, logits_to_keep=r_max, use_cache=False).logits
+        with torch.set_grad_enabled(with_grad), contextlib.ExitStack() as stack:
+            if not adapter:
+                stack.enter_context(self.engine.module.disable_adapter())
+            if replay is not None:
+                hooks = stack.enter_context(RouteReplay(self.engine.module))
+                hooks.set(replay.routes_T_L_K, replay.ok_T)
+            logits = self.engine(input_ids=input_ids, logits_to_keep=r_max, use_cache=False).logits
+            if replay is not None:
+                replay.native_T_L_K = hooks.native().cpu()
             logp_G_R = token_logprobs(logits, targets_G_R, self.config.rollout.temperature)
         # The kept window starts at position P-1, which predicts response token 0, for every row.
         return [logp_G_R[i, :n] for i, n in enumerate(lengths)]
+
+    def _replay_inputs(self, group: GroupBatch) -> tuple[_Replay | None, list[torch.Tensor]]:
+        """R3 inputs for the padded [G, P + R_max - 1] batch, and each response token's route status [R_i].
+
+        Status 0 means the token's producing position has a mappable route; see longstraw.trust for the reasons.
+        Without a MoE layout (dense model) every status is 0 and nothing is replayed.
+        """
+        lengths = [len(r) for r in group.responses]
+        if self.layout is None:
+            return None, [torch.zeros(n, dtype=torch.long) for n in lengths]
+        num_prompt = len(group.prompt_tokens_P)
+        seq_len = num_prompt + max(lengths) - 1
+        layout = self.layout
+        routes_G_S_L_K = torch.zeros(len(lengths), seq_len, layout.num_layers, layout.top_k, dtype=torch.long)
+        ok_G_S = torch.zeros(len(lengths), seq_len, dtype=torch.bool)
+        statuses = []
+        for i, n in enumerate(lengths):
+            recorded = group.routes[i] if group.routes is not None else None
+            full = None
+            if group.prompt_routes_P1_L_K is not None and recorded is not None:
+                try:
+                    full = torch.cat([group.prompt_routes_P1_L_K, recorded])
+                except (RuntimeError, TypeError):
+                    full = None  # shapes or dtypes that do not even concatenate: counted as missing
+            status_S = route_status(full, num_prompt - 1 + n, layout)
+            statuses.append(status_S[num_prompt - 1 :])
+            if self.config.grpo.r3 and full is not None:
+                ok = status_S == 0
+                routes_G_S_L_K[i, : len(ok)][ok] = full[ok].long()
+                ok_G_S[i, : len(ok)] = ok
+        replay = _Replay(routes_G_S_L_K.flatten(0, 1), ok_G_S.flatten())
+        return replay, statuses
 
     # ---- one optimizer step --------------------------------------------------------------------------------------
 
@@ -169,6 +227,7 @@ class LearnerActor:
         sums = dict(loss=0.0, kl=0.0, clipped=0.0, tokens=0.0, seqs=0.0)
         # Largest |learner logprob - rollout logprob| before the update: ~1e-6 in fp32 when weight sync is right.
         logp_diff_max = 0.0
+        trust = TrustCounts()
         old_logprobs: dict[int, list[torch.Tensor]] = {}
         n_micro = len(plan.micro_steps)
         for epoch in range(self.config.learner.epochs):
@@ -182,6 +241,7 @@ class LearnerActor:
                 # DeepSpeed averages gradients over ranks; scaling by world size turns that into the global sum.
                 self.engine.backward(loss * (self.world_size if micro.real else 0.0))
                 if micro.real and epoch == self.config.learner.epochs - 1:
+                    trust.add(stats.pop("trust"))
                     for k, v in stats.items():
                         sums[k] += v
             self.engine.step()
@@ -190,28 +250,55 @@ class LearnerActor:
         sums["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         sums["peak_memory_mb"] = _peak_memory_mb(self.device)
         sums["logp_diff_max"] = logp_diff_max
+        sums["trust"] = trust
         return sums
 
     def _micro_loss(self, micro: MicroStep, plan: StepPlan, old: list[torch.Tensor] | None):
+        """The group's loss contribution (weights from global counts), its stats, and the fresh logprobs."""
         group = micro.group
-        logp = self._score_group(group, with_grad=True)
-        ref = self._score_group(group, with_grad=False, adapter=False) if self.spec.kl_coef > 0 else None
+        replay, route_status_G = self._replay_inputs(group)
+        logp = self._score_group(group, with_grad=True, replay=replay)
+        ref = None
+        if self.spec.kl_coef > 0:
+            ref_replay = None if replay is None else _Replay(replay.routes_T_L_K, replay.ok_T)
+            ref = self._score_group(group, with_grad=False, adapter=False, replay=ref_replay)
         lengths = [len(r) for r in group.responses]
         weights_G = token_weights(lengths, self.spec, plan.total_tokens, plan.total_seqs)
         loss = torch.zeros((), device=self.device)
         stats = dict(loss=0.0, kl=0.0, clipped=0.0, tokens=float(sum(lengths)), seqs=float(len(lengths)))
+        trust = TrustCounts()
+        grpo = self.config.grpo
         for i, logp_R in enumerate(logp):
             old_R = old[i] if old is not None else logp_R.detach()
+            rollout_R = group.rollout_logprobs[i].to(self.device)
+            ratio_status = icepop_status(old_R, rollout_R, grpo.icepop_alpha, grpo.icepop_beta) if grpo.icepop else None
+            status_R = route_status_G[i] if grpo.r3 else torch.zeros_like(route_status_G[i])
+            mask_R, counts = trust_mask(status_R.to(self.device), ratio_status, old_R, rollout_R)
+            trust.add(counts)
+            if replay is not None and replay.native_T_L_K is not None:
+                counts_oor = self._out_of_route(group, replay, i, route_status_G[i])
+                trust.out_of_route += counts_oor[0]
+                trust.routed += counts_oor[1]
             adv_R = group.adv_G[i].to(self.device).expand_as(logp_R)
             loss_R, st = per_token_objective(
                 logp_R, old_R, adv_R, self.spec, ref_logp_T=ref[i] if ref is not None else None
             )
-            contribution = weights_G[i].to(self.device) * loss_R.sum()
+            contribution = weights_G[i].to(self.device) * (loss_R * mask_R).sum()
             loss = loss + contribution
+            kept = mask_R.bool()
             stats["loss"] += float(contribution.detach())
-            stats["kl"] += float(st["kl_T"].sum())
-            stats["clipped"] += float(st["clipped_T"].float().sum())
+            stats["kl"] += float(st["kl_T"][kept].sum())
+            stats["clipped"] += float(st["clipped_T"][kept].float().sum())
+        stats["trust"] = trust
         return loss, stats, logp
+
+    def _out_of_route(self, group: GroupBatch, replay: _Replay, i: int, status_R: torch.Tensor) -> tuple[int, int]:
+        """Response i's tokens whose learner-native top-k differs from the recorded one (measured while replaying)."""
+        num_prompt, r_max = len(group.prompt_tokens_P), max(len(r) for r in group.responses)
+        seq_len = num_prompt + r_max - 1
+        n = len(group.responses[i])
+        rows = slice(i * seq_len + num_prompt - 1, i * seq_len + num_prompt - 1 + n)
+        return out_of_route(replay.native_T_L_K[rows], replay.routes_T_L_K[rows], status_R)
 
     # ---- state out -----------------------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from longstraw.trust import TrustCounts
 from mint.config import Config, run_dir
 from mint.data import load_dataset
 from mint.grpo import group_advantages_batch, zero_variance_mask
@@ -140,6 +141,8 @@ def to_batches(results: list[GroupResult], adv_B_G: torch.Tensor) -> list[GroupB
             responses=[c.tokens_R for c in res.rollout.completions],
             rollout_logprobs=[c.logprobs_R for c in res.rollout.completions],
             adv_G=adv_B_G[b],
+            prompt_routes_P1_L_K=res.rollout.prompt_routes_P1_L_K,
+            routes=[c.routes_R_L_K for c in res.rollout.completions],
         )
         for b, res in enumerate(results)
     ]
@@ -196,6 +199,10 @@ def learn(cluster: Cluster, batches: list[GroupBatch]) -> dict:
     sums = {k: sum(r[k] for r in per_rank) for k in ("loss", "kl", "clipped", "tokens")}
     sums.update({k: max(r[k] for r in per_rank) for k in ("peak_memory_mb", "logp_diff_max")})
     sums["grad_norm"] = per_rank[0]["grad_norm"]  # already global: DeepSpeed reduces it across ranks
+    trust = TrustCounts()
+    for r in per_rank:
+        trust.add(r["trust"])
+    sums.update(trust.metrics())
     return sums
 
 
@@ -243,6 +250,7 @@ def train(config: Config) -> dict:
                 step_s=step_s,
                 peak_memory_mb=sums.get("peak_memory_mb", 0.0),
                 revision=rev.id,
+                **{k: v for k, v in sums.items() if k.startswith(("masked_", "trust_", "out_of_route", "mismatch"))},
             )
             if step % config.mint.save_every == 0 or step == config.grpo.steps:
                 save_revision(config, out, rev, adapter_config, {"reward_mean": metrics["reward_mean"]})

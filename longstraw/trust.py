@@ -1,0 +1,150 @@
+"""The per-token trust mask: route available (R3) AND train/rollout ratio inside [alpha, beta] (IcePop).
+
+A token with weight 0 contributes nothing to the policy-gradient term; it still counts in the loss normalizer (as
+in IcePop, where the mask multiplies the token's term and the 1/|y| stays), so masking never inflates the other
+tokens' weights. Every masked token is counted under exactly one reason, so the counters add up to the total.
+
+Reasons, in the order they are checked (a token gets the first that applies):
+
+    route_missing       no route record for the token (or the record's length does not match the response)
+    route_layers        the record has a different number of MoE layers than the learner
+    route_layout        the ids cannot be mapped to the learner's experts: different top-k, or a record made for a
+                        different expert count, or a non-integer payload
+    route_out_of_range  an id outside [0, num_experts)
+    route_duplicate     the same expert twice in one token's top-k at some layer
+    ratio_low           r = pi_learner_old / pi_rollout < alpha
+    ratio_high          r > beta
+
+r is computed in log space and clamped (|log r| <= 20) so that a token the rollout thought impossible cannot produce
+inf or nan; r exactly equal to alpha or beta is inside the band.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ROUTE_REASONS = ("route_missing", "route_layers", "route_layout", "route_out_of_range", "route_duplicate")
+RATIO_REASONS = ("ratio_low", "ratio_high")
+REASONS = ROUTE_REASONS + RATIO_REASONS
+LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The learner's MoE layout that recorded routes must map onto."""
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+
+
+def route_status(
+    routes_N_L_K: torch.Tensor | None, num_tokens: int, layout: ExpertLayout, recorded_experts: int | None = None
+) -> torch.Tensor:
+    """Per-token route status: 0 = mappable, else 1 + index into ROUTE_REASONS. Returns int64 [num_tokens].
+
+    routes_N_L_K: the recorded ids for the N positions the learner replays (or None); recorded_experts: the expert
+    count the rollout engine declared, when it did. Never raises on a bad payload: bad payloads are counted.
+    """
+    status_N = torch.zeros(num_tokens, dtype=torch.long)
+    code = {reason: i + 1 for i, reason in enumerate(ROUTE_REASONS)}
+    if routes_N_L_K is None or routes_N_L_K.dim() != 3 or routes_N_L_K.shape[0] != num_tokens:
+        return status_N.fill_(code["route_missing"])
+    if routes_N_L_K.shape[1] != layout.num_layers:
+        return status_N.fill_(code["route_layers"])
+    integer = not (routes_N_L_K.is_floating_point() or routes_N_L_K.is_complex() or routes_N_L_K.dtype == torch.bool)
+    if (
+        routes_N_L_K.shape[2] != layout.top_k
+        or not integer
+        or (recorded_experts is not None and recorded_experts != layout.num_experts)
+    ):
+        return status_N.fill_(code["route_layout"])
+    ids = routes_N_L_K.long()
+    out_of_range_N = ((ids < 0) | (ids >= layout.num_experts)).flatten(1).any(1)
+    sorted_ids = ids.sort(dim=-1).values
+    duplicate_N = (sorted_ids[..., 1:] == sorted_ids[..., :-1]).flatten(1).any(1)
+    status_N[duplicate_N] = code["route_duplicate"]
+    status_N[out_of_range_N] = code["route_out_of_range"]
+    return status_N
+
+
+def icepop_status(old_logp_T: torch.Tensor, rollout_logp_T: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+    """0 inside the band, 1 below alpha (ratio_low), 2 above beta (ratio_high). int64 [T]."""
+    log_r = (old_logp_T.detach().float() - rollout_logp_T.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    status = torch.zeros_like(log_r, dtype=torch.long)
+    # Compare in log space: r == alpha exactly stays in band (log of the bounds, not exp of log_r).
+    status[log_r < torch.log(torch.tensor(alpha, dtype=torch.float64)).float()] = 1
+    status[log_r > torch.log(torch.tensor(beta, dtype=torch.float64)).float()] = 2
+    return status
+
+
+@dataclass
+class TrustCounts:
+    """Counters over a step; `add` merges another's (ranks, groups). Every masked token has one reason."""
+
+    tokens: int = 0
+    kept: int = 0
+    masked: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+    out_of_route: int = 0  # mappable tokens whose learner-native top-k set differs from the rollout's
+    routed: int = 0  # mappable tokens that were compared
+    mismatch_kl_sum: float = 0.0  # k3(pi_rollout || pi_learner) summed over kept tokens
+
+    def add(self, other: TrustCounts) -> None:
+        self.tokens += other.tokens
+        self.kept += other.kept
+        for k, v in other.masked.items():
+            self.masked[k] += v
+        self.out_of_route += other.out_of_route
+        self.routed += other.routed
+        self.mismatch_kl_sum += other.mismatch_kl_sum
+
+    def metrics(self) -> dict[str, float]:
+        out = {
+            "trust_kept_frac": self.kept / max(self.tokens, 1),
+            "out_of_route_ratio": self.out_of_route / max(self.routed, 1),
+            "mismatch_kl": self.mismatch_kl_sum / max(self.kept, 1),
+        }
+        out.update({f"masked_{k}": float(v) for k, v in self.masked.items()})
+        return out
+
+
+def trust_mask(
+    route_status_T: torch.Tensor,
+    ratio_status_T: torch.Tensor | None,
+    old_logp_T: torch.Tensor,
+    rollout_logp_T: torch.Tensor,
+) -> tuple[torch.Tensor, TrustCounts]:
+    """Weight 1 where the route is mappable and the ratio is in band; 0 elsewhere. Returns (mask_T float, counts).
+
+    route_status_T from `route_status` (zeros when R3 is off); ratio_status_T from `icepop_status` (None when IcePop
+    is off). mismatch KL on kept tokens is the k3 estimate of KL(pi_rollout || pi_learner) from the rollout's
+    samples: with d = log pi_learner - log pi_rollout, k3 = exp(d) - d - 1 >= 0.
+    """
+    counts = TrustCounts(tokens=int(route_status_T.numel()))
+    reason_T = route_status_T.clone()
+    if ratio_status_T is not None:
+        reason_T = torch.where(
+            reason_T == 0, torch.where(ratio_status_T > 0, ratio_status_T + len(ROUTE_REASONS), 0), reason_T
+        )
+    keep_T = reason_T == 0
+    for i, reason in enumerate(REASONS):
+        counts.masked[reason] = int((reason_T == i + 1).sum())
+    counts.kept = int(keep_T.sum())
+    d_T = (old_logp_T.detach().float() - rollout_logp_T.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    counts.mismatch_kl_sum = float((torch.exp(d_T) - d_T - 1.0)[keep_T].sum())
+    return keep_T.float(), counts
+
+
+def out_of_route(
+    native_N_L_K: torch.Tensor, routes_N_L_K: torch.Tensor, route_status_N: torch.Tensor
+) -> tuple[int, int]:
+    """(tokens whose native top-k set differs from the recorded one at any layer, mappable tokens compared)."""
+    ok_N = route_status_N == 0
+    if not bool(ok_N.any()):
+        return 0, 0
+    native = native_N_L_K[ok_N].long().sort(-1).values
+    recorded = routes_N_L_K[ok_N].long().to(native.device).sort(-1).values
+    differs = (native != recorded).flatten(1).any(1)
+    return int(differs.sum()), int(ok_N.sum())
