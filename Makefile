@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.mint-installed
 # A pinned CPU torch: an unpinned one pulls a multi-GB CUDA build. GPU clusters install their own CUDA torch first.
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup run test test-fast lint format bench docs clean
+.PHONY: setup run test test-fast lint format bench bench-gpu docs clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ format: setup
 
 bench: setup
 	$(BIN)/python bench/rollout_prefix.py
+
+# Needs CUDA (an H200 finishes it in under 5 minutes); prints a "skipped" JSON line without a GPU.
+bench-gpu: setup
+	$(BIN)/python bench/kernels_gpu.py
 
 docs: setup
 	$(BIN)/python -m mint.config > docs/configuration.md
