@@ -36,6 +36,7 @@ format: setup
 
 bench: setup
 	$(BIN)/python bench/rollout_prefix.py
+	$(BIN)/python bench/r3_mismatch.py
 
 # Needs CUDA (an H200 finishes it in under 5 minutes); prints a "skipped" JSON line without a GPU.
 bench-gpu: setup

@@ -56,6 +56,9 @@ def test_smoke_recipe_trains_lora_and_never_moves_the_base(tmp_path):
         assert 0.0 <= m["reward_mean"] <= 1.0 and m["peak_memory_mb"] > 0
         # The rollout actor sampled with exactly the revision the learner scores: same logprobs up to fp32 noise.
         assert m["logp_diff_max"] < 1e-4, m["logp_diff_max"]
+        # R3: the routes crossed Ray (rollout actor -> driver -> learner) intact and aligned with the learner's
+        # positions, so in fp32 the learner's own routers agree with every recorded route and nothing is masked.
+        assert m["out_of_route_ratio"] == 0.0 and m["trust_kept_frac"] == 1.0, m
     assert summary["steps"] == 4 and summary["revision"] == lines[-1]["revision"]
     # KL to the reference (the same model with the adapter disabled): exactly 0 while LoRA B is still 0 at step 1.
     assert lines[0]["kl"] == 0.0 and lines[-1]["kl"] > 0.0

@@ -205,3 +205,27 @@ def test_bad_route_payloads_are_counted_never_a_crash(random_qwen3_path):
         loss, stats, _ = learner._micro_loss(plan.micro_steps[0], plan, None)
         assert stats["trust"].masked[reason] == 5 and stats["trust"].kept == 0, reason
         assert float(loss) == 0.0
+
+
+def test_routes_round_trip_through_the_ray_object_store():
+    import ray
+
+    from mint.rollout import Completion, GroupRollout
+
+    routes = torch.randint(0, 4, (3, 2, 2), dtype=torch.uint8)
+    group = GroupRollout(
+        torch.tensor([1, 2, 3]),
+        torch.randint(0, 4, (2, 2, 2), dtype=torch.uint8),
+        [Completion(torch.tensor([4, 5, 6]), torch.zeros(3), routes, "stop")],
+    )
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        back = ray.get(ray.put(group))
+    finally:
+        if started:
+            ray.shutdown()
+    assert back.completions[0].routes_R_L_K.dtype == torch.uint8
+    assert torch.equal(back.completions[0].routes_R_L_K, routes)
+    assert torch.equal(back.prompt_routes_P1_L_K, group.prompt_routes_P1_L_K)
