@@ -1,0 +1,264 @@
+"""LongStraw memory benchmark: measured peak memory and time of one GRPO update, naive vs detached vs exact.
+
+Usage (defaults are the issue's sizes; on a 2-core CPU pass smaller ones):
+    python bench/longstraw_memory.py                                   # P=16384, G=8, R=256, CPU
+    python bench/longstraw_memory.py --prompt-len 4096 --response-len 128
+    python bench/longstraw_memory.py --device cuda --dtype bfloat16     # on a GPU machine
+
+Each configuration runs in a fresh Python process (`--worker`), so allocator caches of one cannot leak into another.
+In each, the model, LoRA and AdamW are built and one small warm-up update plus optimizer step is run (optimizer
+state allocated, allocator warm); then the baseline is taken and one update over the real inputs is measured:
+  peak   : CPU VmHWM (reset through /proc/self/clear_refs) minus VmRSS at the baseline; CUDA max_memory_allocated
+           minus memory_allocated at the baseline. Measured, never estimated.
+  bound  : M_prefix + M_grad + max_i (M_graph(R_i) + M_score(R_i)) with
+           M_prefix  bytes of the captured state (longstraw's KVState),
+           M_grad    bytes of the LoRA gradients,
+           M_graph   bytes saved for backward in one replay: saved-tensor hooks over unique storages, excluding
+                     weights and the prefix state (longstraw.memory.GraphMeter),
+           M_score   the scoring transient: two fp32 [rows, V] blocks (logits and their softmax), rows =
+                     min(R, LOGIT_BLOCK_ELEMENTS // V); the engine never keeps [R, V] logits (longstraw.logprobs).
+           Exact mode adds its fp32 dKV buffer, and the prompt backward's chunk graph (metered the same way)
+           competes with the replay term: bound = M_prefix + M_dkv + M_grad + max(replay term, M_graph(chunk)).
+  naive  : the standard full-sequence step at its most frugal: one prompt+response sequence at a time, gradient
+           accumulation, logits only for the response positions (logits_to_keep), the model's default attention.
+On CPU the workers run with MALLOC_MMAP_THRESHOLD_=65536 (glibc): large tensors are then always mmapped and given back
+to the OS when freed, so RSS follows live tensors instead of glibc's raised dynamic threshold keeping freed tensors
+in the heap. Pass --no-malloc-tune to measure with glibc defaults.
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--prompt-len", type=int, default=16384, help="P")
+    ap.add_argument("--group", type=int, default=8, help="G")
+    ap.add_argument("--response-len", type=int, default=256, help="R (every response)")
+    ap.add_argument("--chunk", type=int, default=1024, help="C: capture / prompt-backward chunk")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--moe-intermediate", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
+    ap.add_argument("--configs", default="naive,detached,exact", help="comma list of naive, detached, exact")
+    ap.add_argument("--flat-groups", default="2,16", help="G pair for g_flatness (detached); empty to skip")
+    ap.add_argument("--no-malloc-tune", action="store_true", help="CPU: keep glibc's dynamic mmap threshold")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+# -- worker: one configuration in this process -----------------------------------------------------------------
+
+
+def build(args):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from mint.config import LoraConfig
+    from mint.lora import add_lora
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.moe_intermediate,
+        max_position_embeddings=args.prompt_len + args.response_len + 16,
+        tie_word_embeddings=False,
+    )
+    with torch.device(args.device):
+        base = AutoModelForCausalLM.from_config(config, dtype=DTYPES[args.dtype]).eval()
+    for p in base.parameters():
+        p.requires_grad_(False)
+    model = add_lora(base, LoraConfig(), seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.01)
+    lora = [p for p in model.parameters() if p.requires_grad]
+    return model, lora, torch.optim.AdamW(lora, lr=1e-5)
+
+
+def objective(i, logp_R, ref_logp_R):
+    adv = 1.0 if i % 2 == 0 else -1.0
+    return -(adv * logp_R).mean(), {}
+
+
+def naive_step(model, tokens_P, responses, meter_graph: bool) -> int:
+    """Full-sequence forward+backward per response; logits for response positions only. Returns saved bytes."""
+    from longstraw.memory import GraphMeter, module_storages
+    from longstraw.scoring import token_logprobs
+
+    graph_bytes = 0
+    for i, r in enumerate(responses):
+        inputs = torch.cat([tokens_P, r[:-1]])[None]  # position P-1+j predicts r_j; r_{R-1} is never an input
+        meter = GraphMeter(module_storages(model)) if meter_graph and i == 0 else None
+        with meter if meter is not None else torch.enable_grad():
+            logits = model(input_ids=inputs, logits_to_keep=r.shape[0]).logits[0]
+            loss, _ = objective(i, token_logprobs(logits, r), None)
+        if meter is not None:
+            graph_bytes = meter.nbytes
+        loss.backward()
+        del logits, loss
+    return graph_bytes
+
+
+def worker(args) -> dict:
+    from longstraw.engine import UpdateSpec, grpo_update
+    from longstraw.logprobs import LOGIT_BLOCK_ELEMENTS
+    from longstraw.memory import PeakMeter
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    model, lora, optim = build(args)
+    gen = torch.Generator().manual_seed(1)
+
+    def inputs(p, g, r):
+        tokens_P = torch.randint(0, args.vocab, (p,), generator=gen).to(device)
+        return tokens_P, [torch.randint(0, args.vocab, (r,), generator=gen).to(device) for _ in range(g)]
+
+    def step(tokens_P, responses, measure):
+        if args.worker == "naive":
+            return naive_step(model, tokens_P, responses, measure), None
+        spec = UpdateSpec(mode=args.worker, chunk_size=args.chunk, measure_graph=measure)
+        return None, grpo_update(model, tokens_P, responses, objective, spec)
+
+    step(*inputs(16, 2, 4), measure=False)  # warm-up: allocates AdamW state and warms the allocator
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+    tokens_P, responses = inputs(args.prompt_len, args.group, args.response_len)
+    gc.collect()
+    meter = PeakMeter(device)
+    meter.start()
+    t0 = time.perf_counter()
+    naive_graph, metrics = step(tokens_P, responses, measure=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    peak = meter.peak()
+
+    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in lora if p.grad is not None)
+    # M_score: the scoring transient, two fp32 [rows, V] blocks (logits and their exp / softmax); naive keeps the
+    # whole [R, V] logits instead, which its measured graph already contains.
+    score_rows = min(args.response_len, max(1, LOGIT_BLOCK_ELEMENTS // args.vocab))
+    score_bytes = 2 * score_rows * args.vocab * 4
+    out = {"config": args.worker, "peak_bytes": peak, "seconds": seconds, "grad_bytes": grad_bytes}
+    out["score_bytes"] = score_bytes
+    if metrics is None:
+        out["graph_bytes"] = naive_graph
+        return out
+    replay_term = metrics.graph_bytes_max + score_bytes
+    bound = metrics.prefix_bytes + metrics.dkv_bytes + grad_bytes + max(replay_term, metrics.prompt_graph_bytes_max)
+    out.update(
+        bound_bytes=bound,
+        prefix_bytes=metrics.prefix_bytes,
+        dkv_bytes=metrics.dkv_bytes,
+        graph_bytes=metrics.graph_bytes_max,
+        prompt_graph_bytes=metrics.prompt_graph_bytes_max,
+        capture_s=metrics.capture_s,
+        replay_s=metrics.replay_s,
+        prompt_backward_s=metrics.prompt_backward_s,
+        engine_peak_bytes=metrics.peak_memory_bytes,
+    )
+    return out
+
+
+# -- driver: every configuration in a fresh process --------------------------------------------------------------
+
+
+def run_worker(args, config: str, group: int) -> dict:
+    argv = list(sys.argv[1:])
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", config, "--group", str(group)]
+    env = dict(os.environ)
+    if args.device == "cpu" and not args.no_malloc_tune:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        return {"config": config, "group": group, "error": f"exit {proc.returncode}"}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["group"] = group
+    return result
+
+
+def mib(n) -> str:
+    return f"{n / 2**20:9.1f} MiB"
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    runs = {c: run_worker(args, c, args.group) for c in args.configs.split(",") if c}
+    flat = [int(g) for g in args.flat_groups.split(",") if g]
+    flat_runs = [run_worker(args, "detached", g) for g in flat]
+
+    for name, r in [*runs.items(), *((f"detached G={r['group']}", r) for r in flat_runs)]:
+        if "error" in r:
+            print(f"{name:16s} {r['error']}")
+            continue
+        bound = ""
+        if "bound_bytes" in r:
+            bound = f" bound {mib(r['bound_bytes'])} peak/bound {r['peak_bytes'] / r['bound_bytes']:.2f}"
+        print(f"{name:16s} peak {mib(r['peak_bytes'])}  graph {mib(r['graph_bytes'])}  {r['seconds']:7.1f} s{bound}")
+
+    def ratio(a, b):
+        return round(a / b, 3) if a is not None and b else None
+
+    def field(config, key):
+        r = runs.get(config) or {}
+        return r.get(key)
+
+    summary = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "P": args.prompt_len,
+        "G": args.group,
+        "R": args.response_len,
+        "chunk": args.chunk,
+        "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "head_dim", "experts")}
+        | {"top_k": args.top_k, "vocab": args.vocab},
+        "malloc_mmap_threshold": None if args.no_malloc_tune or args.device != "cpu" else 65536,
+        "peak_over_bound_detached": ratio(field("detached", "peak_bytes"), field("detached", "bound_bytes")),
+        "peak_over_bound_exact": ratio(field("exact", "peak_bytes"), field("exact", "bound_bytes")),
+        "naive_over_detached_memory": ratio(field("naive", "peak_bytes"), field("detached", "peak_bytes")),
+        "naive_over_detached_time": ratio(field("naive", "seconds"), field("detached", "seconds")),
+        "naive_over_exact_memory": ratio(field("naive", "peak_bytes"), field("exact", "peak_bytes")),
+        "naive_over_exact_time": ratio(field("naive", "seconds"), field("exact", "seconds")),
+        "g_flatness": ratio(*(r.get("peak_bytes") for r in reversed(flat_runs))) if len(flat_runs) == 2 else None,
+        "runs": [*runs.values(), *flat_runs],
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""What the engine needs from an architecture, and the prefix-state types adapters hand back.
+
+The engine never looks inside a prefix state. It asks the adapter to capture one, to run tokens against one, and
+(in exact mode) to back-propagate a gradient buffer of the same kind through the prompt. So a new state kind (the
+recurrent boundary state of a hybrid model, the compressed latent of GLM-style MLA) is a new adapter with its own
+state type; the engine does not change.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class PrefixState(Protocol):
+    """Whatever an adapter captured from the first `length` prompt positions, without autograd."""
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def storages(self) -> set[int]:
+        """data_ptr of every storage the state owns (the memory meter excludes them from a replay's graph)."""
+        ...
+
+    def zeros_like(self, dtype=torch.float32) -> PrefixState:
+        """A zero gradient buffer of the same kind (exact mode's dK/dV, fp32 by default)."""
+        ...
+
+
+@dataclass
+class KVState:
+    """Per-layer K/V of the captured positions: k_L_Hkv_S_D, v_L_Hkv_S_D (post k-norm and RoPE, as attended).
+
+    One allocation per tensor, sized up front to the prompt. The same type holds the exact-mode gradient buffer
+    (dK/dV, fp32).
+    """
+
+    k_L_Hkv_S_D: torch.Tensor
+    v_L_Hkv_S_D: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.k_L_Hkv_S_D.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k_L_Hkv_S_D, self.v_L_Hkv_S_D))
+
+    def storages(self) -> set[int]:
+        return {t.untyped_storage().data_ptr() for t in (self.k_L_Hkv_S_D, self.v_L_Hkv_S_D)}
+
+    @classmethod
+    def empty(cls, layers: int, kv_heads: int, length: int, head_dim: int, dtype, device) -> KVState:
+        shape = (layers, kv_heads, length, head_dim)
+        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+
+    def zeros_like(self, dtype=torch.float32) -> KVState:
+        return KVState(torch.zeros_like(self.k_L_Hkv_S_D, dtype=dtype), torch.zeros_like(self.v_L_Hkv_S_D, dtype=dtype))
+
+
+class Adapter(ABC):
+    """Runs one architecture's decoder piecewise: prompt capture, replay against a prefix, prompt backward.
+
+    Positions are absolute: a call over `tokens_T` at `start` covers positions start .. start + T - 1, and the
+    prefix state must hold exactly positions 0 .. start - 1. Submodules are the model's own (PEFT-wrapped) modules,
+    so LoRA on attention and on fused experts is live, and router hooks (R3) fire as in a plain forward.
+    """
+
+    @abstractmethod
+    def capture(self, tokens_S: torch.Tensor, chunk_size: int) -> PrefixState:
+        """Prefill positions 0..S-1 in chunks of `chunk_size` without autograd; no logits are computed."""
+
+    @abstractmethod
+    def forward(
+        self, tokens_T: torch.Tensor, state: PrefixState, grad: PrefixState | None, constant_rows: int
+    ) -> torch.Tensor:
+        """Final-norm hidden states hidden_T_Hd of tokens at positions state.length .. , with autograd.
+
+        grad: a buffer like `state` that receives d(loss)/d(state) during backward (exact mode), or None (the state
+        is a constant). constant_rows: the first rows' own state (K/V) is detached, i.e. treated as a constant
+        like the prefix (detached mode treats the last prompt position this way).
+        """
+
+    @abstractmethod
+    def logprobs(self, hidden_T_Hd: torch.Tensor, targets_T: torch.Tensor, temperature: float) -> torch.Tensor:
+        """logp_T [T] fp32: log softmax(lm_head(hidden) / temperature)[target], without saving [T, V] logits."""
+
+    @abstractmethod
+    def backward_prompt(
+        self, tokens_S: torch.Tensor, state: PrefixState, grad: PrefixState, chunk_size: int, meter=None
+    ) -> int:
+        """Back-propagate `grad` (d loss / d state) into the LoRA parameters' .grad, chunk by chunk, last first.
+
+        Each chunk's forward is recomputed against the stored state of the earlier chunks, whose gradient
+        accumulates into `grad` as the chunk's backward runs; memory is one chunk's graph plus `grad`.
+        meter: optional factory of a GraphMeter-like context entered around each chunk's recompute; returns the
+        largest chunk graph it measured in bytes (0 without a meter).
+        """

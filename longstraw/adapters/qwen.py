@@ -1,0 +1,154 @@
+"""Qwen3-MoE, Qwen2-MoE (shared expert) and dense Qwen3 / Qwen2 decoders in transformers 5.x.
+
+The layer math mirrors transformers' eager path exactly: pre-norm residual blocks; attention with q/k RMSNorm on the
+head dim (Qwen3 families), RoPE from the model's own rotary module at absolute positions, GQA with query head
+h = kv * G + g; then the block's own MLP module (routed experts, plus the gated shared expert for Qwen2-MoE), called
+as a module so PEFT LoRA on fused experts and router hooks stay live.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from longstraw.adapters.base import Adapter, KVState
+from longstraw.attention import KVPrefix, prefix_attention
+from longstraw.errors import LongStrawError
+from longstraw.logprobs import head_logprobs
+
+QK_NORM_FAMILIES = ("qwen3_moe", "qwen3")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3", "qwen2")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class QwenAdapter(Adapter):
+    def __init__(self, model: nn.Module):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = base.config
+        if config.model_type not in FAMILIES:
+            raise LongStrawError(f"QwenAdapter does not cover model_type {config.model_type!r}")
+        layer_types = getattr(config, "layer_types", None) or []
+        if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+            raise LongStrawError("sliding-window attention is not supported by LongStraw yet")
+        self.decoder = base.model
+        self.lm_head = base.lm_head
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.groups = self.num_heads // self.num_kv_heads
+        self.qk_norm = config.model_type in QK_NORM_FAMILIES
+        self.num_layers = len(self.decoder.layers)
+
+    # -- pieces --------------------------------------------------------------------------------------------------
+
+    def _rope(self, hidden_T_Hd: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = hidden_T_Hd.shape[0]
+        positions = torch.arange(start, start + t, device=hidden_T_Hd.device).unsqueeze(0)
+        cos, sin = self.decoder.rotary_emb(hidden_T_Hd, positions)
+        return cos[0], sin[0]  # [T, D]
+
+    def _qkv(self, attn: nn.Module, x_T_Hd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q_Hkv_G_T_D, k_Hkv_T_D, v_Hkv_T_D for normed inputs x_T_Hd (k-norm and RoPE applied)."""
+        t = x_T_Hd.shape[0]
+        q = attn.q_proj(x_T_Hd).view(t, self.num_heads, self.head_dim)
+        k = attn.k_proj(x_T_Hd).view(t, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x_T_Hd).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q.reshape(self.num_kv_heads, self.groups, t, self.head_dim), k, v
+
+    def _attend(self, attn: nn.Module, q, k, v, prefix: KVPrefix) -> torch.Tensor:
+        out = prefix_attention(q, k, v, prefix, attn.scaling)  # [Hkv, G, T, D]
+        t = q.shape[2]
+        return attn.o_proj(out.reshape(self.num_heads, t, self.head_dim).transpose(0, 1).reshape(t, -1))
+
+    @staticmethod
+    def _mlp(layer: nn.Module, h_T_Hd: torch.Tensor) -> torch.Tensor:
+        # MoE blocks read (batch, seq, hidden) from the input shape.
+        return h_T_Hd + layer.mlp(layer.post_attention_layernorm(h_T_Hd).unsqueeze(0)).squeeze(0)
+
+    def _layers(self, tokens_T: torch.Tensor, start: int, prefixes: list[KVPrefix], constant_rows: int, full: bool):
+        """Run the decoder over tokens at `start`; returns (hidden_T_Hd or None, [(k, v)] per layer).
+
+        full=False stops after the last layer's K/V: prompt positions need nothing past that.
+        """
+        h = self.decoder.embed_tokens(tokens_T)
+        cos, sin = self._rope(h, start)
+        kv = []
+        for i, layer in enumerate(self.decoder.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(h), cos, sin)
+            if constant_rows:
+                k = torch.cat([k[:, :constant_rows].detach(), k[:, constant_rows:]], dim=1)
+                v = torch.cat([v[:, :constant_rows].detach(), v[:, constant_rows:]], dim=1)
+            kv.append((k, v))
+            if not full and i == self.num_layers - 1:
+                return None, kv
+            h = h + self._attend(attn, q, k, v, prefixes[i])
+            h = self._mlp(layer, h)
+        return self.decoder.norm(h), kv
+
+    @staticmethod
+    def _prefixes(state: KVState, length: int, grad: KVState | None) -> list[KVPrefix]:
+        out = []
+        for i in range(state.k_L_Hkv_S_D.shape[0]):
+            gk = gv = None
+            if grad is not None:
+                gk, gv = grad.k_L_Hkv_S_D[i, :, :length], grad.v_L_Hkv_S_D[i, :, :length]
+            out.append(KVPrefix(state.k_L_Hkv_S_D[i, :, :length], state.v_L_Hkv_S_D[i, :, :length], gk, gv))
+        return out
+
+    # -- the Adapter API -----------------------------------------------------------------------------------------
+
+    def capture(self, tokens_S: torch.Tensor, chunk_size: int) -> KVState:
+        s_len = tokens_S.shape[0]
+        weight = self.decoder.embed_tokens.weight
+        state = KVState.empty(self.num_layers, self.num_kv_heads, s_len, self.head_dim, weight.dtype, weight.device)
+        with torch.no_grad():
+            for start in range(0, s_len, chunk_size):
+                end = min(start + chunk_size, s_len)
+                _, kv = self._layers(tokens_S[start:end], start, self._prefixes(state, start, None), 0, full=False)
+                for i, (k, v) in enumerate(kv):
+                    state.k_L_Hkv_S_D[i, :, start:end] = k
+                    state.v_L_Hkv_S_D[i, :, start:end] = v
+        return state
+
+    def forward(self, tokens_T, state: KVState, grad: KVState | None, constant_rows: int) -> torch.Tensor:
+        prefixes = self._prefixes(state, state.length, grad)
+        hidden, _ = self._layers(tokens_T, state.length, prefixes, constant_rows, full=True)
+        return hidden
+
+    def logprobs(self, hidden_T_Hd: torch.Tensor, targets_T: torch.Tensor, temperature: float) -> torch.Tensor:
+        return head_logprobs(hidden_T_Hd, self.lm_head, targets_T, temperature)
+
+    def backward_prompt(self, tokens_S, state: KVState, grad: KVState, chunk_size: int, meter=None) -> int:
+        s_len = tokens_S.shape[0]
+        graph_bytes = 0
+        for start in reversed(range(0, s_len, chunk_size)):
+            end = min(start + chunk_size, s_len)
+            chunk_meter = meter() if meter is not None else nullcontext()
+            with torch.enable_grad(), chunk_meter:
+                prefixes = self._prefixes(state, start, grad)
+                _, kv = self._layers(tokens_S[start:end], start, prefixes, 0, full=False)
+            if meter is not None:
+                graph_bytes = max(graph_bytes, chunk_meter.nbytes)
+            outputs, grads = [], []
+            for i, (k, v) in enumerate(kv):
+                # Complete: every reader of positions start..end-1 (later chunks, responses) has run its backward.
+                for out, g in ((k, grad.k_L_Hkv_S_D[i, :, start:end]), (v, grad.v_L_Hkv_S_D[i, :, start:end])):
+                    if out.requires_grad:
+                        outputs.append(out)
+                        grads.append(g.to(out.dtype))
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+            del kv, outputs, grads
+        return graph_bytes

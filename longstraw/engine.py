@@ -1,0 +1,261 @@
+"""One GRPO update over a prompt and its G responses, inside a memory bound.
+
+Phases, each its own function:
+  capture   prefill prompt positions 0..P-2 in chunks, no autograd, no logits: the prefix state (K/V per layer).
+  reference with the adapter disabled, capture the prompt again and score every response, no graph (need_ref).
+  replay    per response i, with autograd: run [t_{P-1}, r_0 .. r_{R_i-2}] at positions P-1 .. P+R_i-2 against the
+            prefix state, score r_0 .. r_{R_i-1}, call the caller's objective, backward, free the graph.
+  prompt    exact mode only: back-propagate the dK/dV accumulated over the G replays through the prompt, chunk by
+            chunk from last to first.
+
+The last prompt position is not captured: each replay recomputes it (one token), so response token 0's logits come
+from a live forward and its gradient reaches the LoRA parameters at that position in every mode. What each mode
+treats as constant:
+  detached  K/V of all P prompt positions (0..P-2 from the capture, P-1's own K/V detached in the replay).
+  exact     nothing: the gradient is full-sequence backprop of sum_i objective_i.
+  resident  as detached, but the prefix state was captured `age` updates ago, with the adapter as it was then.
+
+The optimizer is never stepped here: LoRA gradients accumulate in `.grad` and the caller steps after the update.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from longstraw.adapters import Adapter, PrefixState, adapter_for
+from longstraw.errors import LongStrawError
+from longstraw.memory import GraphMeter, PeakMeter, module_storages
+
+MODES = ("detached", "exact", "resident")
+
+# objective(i, logp_R, ref_logp_R) -> (loss of response i, float stats to sum over the group)
+Objective = Callable[[int, torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, dict[str, float]]"]
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    mode: str = field(default="detached", metadata={"help": "detached | exact | resident (see module docstring)."})
+    chunk_size: int = field(default=1024, metadata={"help": "C: prompt positions per capture / prompt-backward chunk."})
+    temperature: float = field(default=1.0, metadata={"help": "Scoring temperature: logp = log softmax(logits / T)."})
+    need_ref: bool = field(default=False, metadata={"help": "Score the reference (adapter disabled) for the loss."})
+    measure_graph: bool = field(
+        default=False, metadata={"help": "Meter bytes saved for backward per replay (graph_bytes_max)."}
+    )
+    max_prefix_age: int = field(
+        default=0, metadata={"help": "resident: recapture once a prefix has served this many updates (0 = never)."}
+    )
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise LongStrawError(f"UpdateSpec.mode: {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.chunk_size < 1:
+            raise LongStrawError(f"UpdateSpec.chunk_size: must be >= 1, got {self.chunk_size}")
+        if self.temperature <= 0:
+            raise LongStrawError(f"UpdateSpec.temperature: must be > 0, got {self.temperature}")
+        if self.max_prefix_age < 0:
+            raise LongStrawError(f"UpdateSpec.max_prefix_age: must be >= 0, got {self.max_prefix_age}")
+
+
+@dataclass(frozen=True)
+class UpdateMetrics:
+    """What one update did. Plain data: pickles across a Ray boundary."""
+
+    mode: str
+    loss: float  # sum over responses of the objective's loss
+    stats: dict[str, float]  # sums over responses of the objective's stats
+    tokens: int  # response tokens scored (sum of R_i)
+    responses: int
+    peak_memory_bytes: int  # measured peak above the level at entry (RSS on CPU, allocator on CUDA)
+    prefix_bytes: int  # M_prefix: the captured state
+    dkv_bytes: int  # exact mode's gradient buffer (fp32), else 0
+    graph_bytes_max: int  # M_graph: max over replays of bytes saved for backward (measure_graph), else 0
+    prompt_graph_bytes_max: int  # exact: max over prompt chunks of bytes saved for backward (measure_graph)
+    prefix_age: int  # updates since the prefix was captured (0 unless resident)
+    capture_s: float
+    ref_s: float
+    replay_s: float
+    prompt_backward_s: float
+
+
+@dataclass
+class PrefixCapture:
+    """A captured prompt that a caller may keep and pass back (resident mode). `age` counts the updates it has
+    served before the current one; with one optimizer step per update (as mint runs), that is steps of staleness."""
+
+    tokens_P: torch.Tensor
+    state: PrefixState
+    age: int = 0
+
+
+def capture_prefix(
+    model: nn.Module, tokens_P: torch.Tensor, chunk_size: int = 1024, adapter: Adapter | None = None
+) -> PrefixCapture:
+    """Capture positions 0..P-2 of `tokens_P` ([P] int64) under the model's current adapter, without autograd."""
+    adapter = adapter or adapter_for(model)
+    _check_tokens("tokens_P", tokens_P)
+    return PrefixCapture(tokens_P.clone(), adapter.capture(tokens_P[:-1], chunk_size))
+
+
+def grpo_update(
+    model: nn.Module,
+    tokens_P: torch.Tensor,
+    responses: list[torch.Tensor],
+    objective: Objective,
+    spec: UpdateSpec,
+    adapter: Adapter | None = None,
+    capture: PrefixCapture | None = None,
+) -> UpdateMetrics:
+    """Accumulate the LoRA gradient of sum_i objective(i, logp_i, ref_logp_i) into `.grad`; return metrics.
+
+    tokens_P: [P] int64; responses: G tensors [R_i] int64 (R_i >= 1), on the model's device.
+    logp_i: [R_i] fp32, log softmax(logits / T) of r_i given prompt and r_i[:j], with autograd.
+    ref_logp_i: the same under the adapter disabled, no graph; None unless spec.need_ref.
+    capture: resident mode's kept prefix (see `capture_prefix`); it must match tokens_P.
+    """
+    adapter = adapter or adapter_for(model)
+    _check_tokens("tokens_P", tokens_P)
+    if not responses:
+        raise LongStrawError("grpo_update: no responses")
+    for i, r in enumerate(responses):
+        _check_tokens(f"responses[{i}]", r)
+    _check_no_dropout(model)
+    if capture is not None and spec.mode != "resident":
+        raise LongStrawError(f"a kept capture is only used in resident mode, not {spec.mode!r}")
+    if spec.mode == "resident":
+        if capture is None:
+            raise LongStrawError("resident mode needs the kept capture (capture_prefix) passed back in")
+        if not torch.equal(capture.tokens_P, tokens_P):
+            raise LongStrawError("resident capture was taken for a different prompt")
+
+    meter = PeakMeter(tokens_P.device)
+    meter.start()
+    ref_logps, ref_s = _score_reference(model, adapter, tokens_P, responses, spec)
+
+    t0 = _now(tokens_P)
+    age = 0
+    if spec.mode == "resident":
+        if spec.max_prefix_age and capture.age >= spec.max_prefix_age:
+            capture.state = None  # free the stale prefix before the new one is allocated
+            capture.state, capture.age = adapter.capture(tokens_P[:-1], spec.chunk_size), 0
+        state, age = capture.state, capture.age
+    else:
+        state = adapter.capture(tokens_P[:-1], spec.chunk_size)
+    grad = state.zeros_like() if spec.mode == "exact" else None
+    capture_s = _now(tokens_P) - t0
+
+    t0 = _now(tokens_P)
+    loss, stats, graph_bytes = _replay(adapter, model, tokens_P, responses, objective, spec, state, grad, ref_logps)
+    replay_s = _now(tokens_P) - t0
+
+    t0 = _now(tokens_P)
+    dkv_bytes = prompt_graph_bytes = 0
+    if grad is not None:
+        dkv_bytes = grad.nbytes
+        meter_factory = None
+        if spec.measure_graph:
+            exclude = module_storages(model) | state.storages() | grad.storages()
+            meter_factory = lambda: GraphMeter(exclude)
+        prompt_graph_bytes = adapter.backward_prompt(tokens_P[:-1], state, grad, spec.chunk_size, meter_factory)
+        del grad
+    prompt_backward_s = _now(tokens_P) - t0
+    if capture is not None:
+        capture.age += 1
+
+    return UpdateMetrics(
+        mode=spec.mode,
+        loss=loss,
+        stats=stats,
+        tokens=sum(int(r.shape[0]) for r in responses),
+        responses=len(responses),
+        peak_memory_bytes=meter.peak(),
+        prefix_bytes=state.nbytes,
+        dkv_bytes=dkv_bytes,
+        graph_bytes_max=graph_bytes,
+        prompt_graph_bytes_max=prompt_graph_bytes,
+        prefix_age=age,
+        capture_s=capture_s,
+        ref_s=ref_s,
+        replay_s=replay_s,
+        prompt_backward_s=prompt_backward_s,
+    )
+
+
+def score_response(
+    adapter: Adapter,
+    tokens_P: torch.Tensor,
+    response_R: torch.Tensor,
+    state: PrefixState,
+    grad: PrefixState | None,
+    constant_rows: int,
+    temperature: float,
+) -> torch.Tensor:
+    """logp_R [R] fp32 of `response_R` after the prompt, run against `state` (positions 0..P-2).
+
+    The forward covers [t_{P-1}, r_0 .. r_{R-2}]: row j predicts r_j. r_{R-1} is never fed (nothing reads its output).
+    """
+    inputs_T = torch.cat([tokens_P[-1:], response_R[:-1]])
+    hidden_T_Hd = adapter.forward(inputs_T, state, grad, constant_rows)
+    return adapter.logprobs(hidden_T_Hd, response_R, temperature)
+
+
+def _score_reference(model, adapter, tokens_P, responses, spec) -> tuple[list[torch.Tensor | None], float]:
+    """Reference logprobs per response (adapter disabled, no graph), from its own capture, freed before returning."""
+    if not spec.need_ref:
+        return [None] * len(responses), 0.0
+    if not hasattr(model, "disable_adapter"):
+        raise LongStrawError("need_ref: the model has no disable_adapter() (not a PEFT model)")
+    t0 = _now(tokens_P)
+    with model.disable_adapter(), torch.no_grad():
+        ref_state = adapter.capture(tokens_P[:-1], spec.chunk_size)
+        ref_logps = [score_response(adapter, tokens_P, r, ref_state, None, 0, spec.temperature) for r in responses]
+    del ref_state
+    return ref_logps, _now(tokens_P) - t0
+
+
+def _replay(adapter, model, tokens_P, responses, objective, spec, state, grad, ref_logps):
+    """Serial replays with autograd; each graph is freed by its backward before the next response runs."""
+    constant_rows = 0 if spec.mode == "exact" else 1
+    exclude = set()
+    if spec.measure_graph:
+        exclude = module_storages(model) | state.storages() | (grad.storages() if grad is not None else set())
+    loss_sum, stats_sum, graph_bytes = 0.0, {}, 0
+    for i, response_R in enumerate(responses):
+        meter = GraphMeter(exclude) if spec.measure_graph else None
+        with meter if meter is not None else nullcontext():
+            logp_R = score_response(adapter, tokens_P, response_R, state, grad, constant_rows, spec.temperature)
+            loss, stats = objective(i, logp_R, ref_logps[i])
+        if meter is not None:
+            graph_bytes = max(graph_bytes, meter.nbytes)
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.backward()
+        loss_sum += float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        for key, value in stats.items():
+            stats_sum[key] = stats_sum.get(key, 0.0) + float(value)
+        del logp_R, loss
+    return loss_sum, stats_sum, graph_bytes
+
+
+def _check_tokens(name: str, tokens: torch.Tensor) -> None:
+    if tokens.dim() != 1 or tokens.shape[0] < 1 or tokens.dtype != torch.long:
+        raise LongStrawError(f"{name}: expected a non-empty 1-D int64 tensor, got {tuple(tokens.shape)} {tokens.dtype}")
+
+
+def _check_no_dropout(model: nn.Module) -> None:
+    """Capture, replays and exact mode's recompute must compute one function: active dropout would break that."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout) and module.training and module.p > 0:
+            raise LongStrawError(
+                f"{name} is an active dropout (p={module.p}); LongStraw only runs dropout-free forwards"
+            )
+
+
+def _now(like: torch.Tensor) -> float:
+    if like.device.type == "cuda":
+        torch.cuda.synchronize(like.device)
+    return time.perf_counter()

@@ -1,0 +1,324 @@
+"""LongStraw engine against independent references (fp32, CPU): HF full-sequence forwards and backprops.
+
+G=3 responses of unequal lengths after a P=23 prompt, LoRA on attention and fused experts with non-zero lora_B
+(so the adapter changes every K/V and every expert output), both MoE families.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from conftest import load_fp32
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+import longstraw.attention
+import longstraw.logprobs
+from longstraw.adapters import KVState, adapter_for
+from longstraw.attention import KVPrefix, prefix_attention
+from longstraw.engine import PrefixCapture, UpdateMetrics, UpdateSpec, capture_prefix, grpo_update, score_response
+from longstraw.errors import LongStrawError
+from longstraw.scoring import token_logprobs
+from mint.config import LoraConfig
+from mint.lora import add_lora
+
+P = 23
+LENGTHS = (2, 5, 9)
+ADV = (1.0, -0.5, 0.7)
+BETA = 0.3
+TEMPERATURE = 0.9
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """Tiny blocks so every test crosses block boundaries: prefix keys 4 at a time, own keys split, 3 logit rows."""
+    monkeypatch.setattr(longstraw.attention, "SCORE_BLOCK_ELEMENTS", 16)
+    monkeypatch.setattr(longstraw.attention, "MIN_KEY_BLOCK", 4)
+    monkeypatch.setattr(longstraw.logprobs, "LOGIT_BLOCK_ELEMENTS", 3 * 97)
+
+
+def _lora_model(path: str) -> torch.nn.Module:
+    base = load_fp32(path)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    model = add_lora(base, LoraConfig(), seed=0)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at zero, which would make LoRA a no-op on the forward
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+def _inputs(vocab: int, lengths=LENGTHS, prompt_len=P):
+    gen = torch.Generator().manual_seed(1)
+    tokens_P = torch.randint(0, vocab, (prompt_len,), generator=gen)
+    return tokens_P, [torch.randint(0, vocab, (r,), generator=gen) for r in lengths]
+
+
+def _objective(i, logp_R, ref_logp_R):
+    """A GRPO-shaped loss: policy-gradient term plus a squared-log-ratio penalty to the reference."""
+    loss = -(ADV[i] * logp_R).mean()
+    if ref_logp_R is not None:
+        loss = loss + BETA * (logp_R - ref_logp_R).pow(2).mean()
+    return loss, {"logp": float(logp_R.detach().sum()), "n": 1.0}
+
+
+def _lora_grads(model) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    for p in model.parameters():
+        p.grad = None
+    return grads
+
+
+def _hf_logp(model, tokens_P, response_R, detach_prompt_kv=False):
+    """Full-sequence HF forward over prompt+response; optionally detach k_proj/v_proj outputs at prompt positions."""
+    handles = []
+    if detach_prompt_kv:
+
+        def hook(module, args, out):
+            return torch.cat([out[:, :P].detach(), out[:, P:]], dim=1)
+
+        for layer in model.get_base_model().model.layers:
+            handles += [layer.self_attn.k_proj.register_forward_hook(hook)]
+            handles += [layer.self_attn.v_proj.register_forward_hook(hook)]
+    try:
+        logits = model(input_ids=torch.cat([tokens_P, response_R])[None]).logits[0]
+    finally:
+        for h in handles:
+            h.remove()
+    return token_logprobs(logits[P - 1 : P - 1 + response_R.shape[0]], response_R, TEMPERATURE)
+
+
+def _hf_grads(model, tokens_P, responses, detach_prompt_kv):
+    for i, r in enumerate(responses):
+        with model.disable_adapter(), torch.no_grad():
+            ref = _hf_logp(model, tokens_P, r)
+        loss, _ = _objective(i, _hf_logp(model, tokens_P, r, detach_prompt_kv), ref)
+        loss.backward()
+    return _lora_grads(model)
+
+
+def _engine_grads(model, tokens_P, responses, mode, chunk_size=7):
+    spec = UpdateSpec(mode=mode, chunk_size=chunk_size, temperature=TEMPERATURE, need_ref=True)
+    metrics = grpo_update(model, tokens_P, responses, _objective, spec)
+    return _lora_grads(model), metrics
+
+
+def _assert_grads_close(got, want):
+    assert got.keys() == want.keys()
+    assert any("experts" in n for n in want) and any("k_proj" in n for n in want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _cosine(a, b) -> float:
+    va = torch.cat([a[n].flatten() for n in sorted(a)])
+    vb = torch.cat([b[n].flatten() for n in sorted(a)])
+    return float(torch.nn.functional.cosine_similarity(va, vb, dim=0))
+
+
+def test_logprobs_match_hf_full_forward(random_tiny_path):
+    """(a) Each response's logprobs equal a HF full forward over prompt+response."""
+    model = _lora_model(random_tiny_path)
+    tokens_P, responses = _inputs(model.config.vocab_size)
+    adapter = adapter_for(model)
+    with torch.no_grad():
+        capture = capture_prefix(model, tokens_P, chunk_size=7, adapter=adapter)
+        for r in responses:
+            got = score_response(adapter, tokens_P, r, capture.state, None, 0, TEMPERATURE)
+            torch.testing.assert_close(got, _hf_logp(model, tokens_P, r), atol=1e-5, rtol=0)
+
+
+def test_exact_grads_equal_full_backprop(random_tiny_path):
+    """(b) Exact mode equals full-sequence backprop of the same loss, prompt backward over several chunks."""
+    model = _lora_model(random_tiny_path)
+    tokens_P, responses = _inputs(model.config.vocab_size)
+    want = _hf_grads(model, tokens_P, responses, detach_prompt_kv=False)
+    got, metrics = _engine_grads(model, tokens_P, responses, "exact")
+    _assert_grads_close(got, want)
+    assert metrics.mode == "exact" and metrics.dkv_bytes == metrics.prefix_bytes  # fp32 dKV of fp32 K/V
+
+
+def test_detached_grads_equal_backprop_with_prompt_kv_detached(random_tiny_path, capsys):
+    """(c) Detached mode equals full backprop with the K/V of all P prompt positions detached (HF hooks)."""
+    model = _lora_model(random_tiny_path)
+    tokens_P, responses = _inputs(model.config.vocab_size)
+    want = _hf_grads(model, tokens_P, responses, detach_prompt_kv=True)
+    got, metrics = _engine_grads(model, tokens_P, responses, "detached")
+    _assert_grads_close(got, want)
+    exact, _ = _engine_grads(model, tokens_P, responses, "exact")
+    cosine = _cosine(got, exact)
+    with capsys.disabled():
+        print(f"\n[{model.config.model_type}] cosine(detached grad, exact grad) = {cosine:.3f}")
+    assert cosine < 0.99  # the prompt path matters here, so (b) and (c) are different claims
+    assert metrics.tokens == sum(LENGTHS) and metrics.responses == 3 and metrics.dkv_bytes == 0
+    assert metrics.stats["n"] == 3.0
+
+
+def test_first_response_token_gets_gradient_in_detached_mode(random_qwen3_path):
+    """The last prompt position is replayed live, so a loss on r_0 alone still reaches LoRA (docs/longstraw.md)."""
+    model = _lora_model(random_qwen3_path)
+    tokens_P, responses = _inputs(model.config.vocab_size)
+    spec = UpdateSpec(mode="detached", chunk_size=7)
+    grpo_update(model, tokens_P, responses[:1], lambda i, logp, ref: (-logp[0], {}), spec)
+    grads = _lora_grads(model)
+    assert any(g.abs().max() > 0 for n, g in grads.items() if "q_proj" in n)
+
+
+@pytest.mark.parametrize("chunk_size", [P, P // 4, 7])
+def test_chunked_capture_gives_same_prefix_state(random_tiny_path, chunk_size):
+    """(d) The captured prefix state does not depend on the chunk size."""
+    model = _lora_model(random_tiny_path)
+    tokens_P, _ = _inputs(model.config.vocab_size)
+    adapter = adapter_for(model)
+    want = adapter.capture(tokens_P[:-1], chunk_size=P)
+    got = adapter.capture(tokens_P[:-1], chunk_size=chunk_size)
+    assert isinstance(got, KVState) and got.length == P - 1
+    torch.testing.assert_close(got.k_L_Hkv_S_D, want.k_L_Hkv_S_D, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.v_L_Hkv_S_D, want.v_L_Hkv_S_D, atol=1e-6, rtol=1e-5)
+
+
+def test_dense_qwen3_logprobs_match_hf(tmp_path):
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        initializer_range=0.05,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = _lora_model(str(tmp_path))
+    tokens_P, responses = _inputs(97)
+    adapter = adapter_for(model)
+    with torch.no_grad():
+        state = adapter.capture(tokens_P[:-1], chunk_size=5)
+        for r in responses:
+            got = score_response(adapter, tokens_P, r, state, None, 0, TEMPERATURE)
+            torch.testing.assert_close(got, _hf_logp(model, tokens_P, r), atol=1e-5, rtol=0)
+
+
+def test_replay_saves_nothing_prompt_sized(random_qwen3_path):
+    """No copy or head-repeat of the prefix is saved for backward: every saved tensor is O(R), none O(P)."""
+    model = _lora_model(random_qwen3_path)
+    prompt_len = 301  # larger than every model dimension (hidden 64, vocab 97, experts 4 x 128)
+    tokens_P, responses = _inputs(model.config.vocab_size, lengths=(4,), prompt_len=prompt_len)
+    adapter = adapter_for(model)
+    state = adapter.capture(tokens_P[:-1], chunk_size=64)
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp = score_response(adapter, tokens_P, responses[0], state, None, 1, 1.0)
+    assert shapes and logp.requires_grad
+    assert all(max(s, default=0) < prompt_len - 1 for s in shapes), [s for s in shapes if max(s) >= prompt_len - 1]
+
+
+def test_resident_prefix_ages_and_is_stale_by_design(random_qwen3_path):
+    model = _lora_model(random_qwen3_path)
+    tokens_P, responses = _inputs(model.config.vocab_size)
+    detached, _ = _engine_grads(model, tokens_P, responses, "detached")
+
+    capture = capture_prefix(model, tokens_P, chunk_size=7)
+    spec = UpdateSpec(mode="resident", chunk_size=7, temperature=TEMPERATURE, need_ref=True, max_prefix_age=2)
+    first = grpo_update(model, tokens_P, responses, _objective, spec, capture=capture)
+    _assert_grads_close(_lora_grads(model), detached)  # fresh: same gradient as detached
+    assert first.prefix_age == 0 and capture.age == 1
+
+    with torch.no_grad():  # an optimizer step changes the adapter; the kept prefix does not follow
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    second = grpo_update(model, tokens_P, responses, _objective, spec, capture=capture)
+    stale = _lora_grads(model)
+    fresh, _ = _engine_grads(model, tokens_P, responses, "detached")
+    assert second.prefix_age == 1
+    assert max((stale[n] - fresh[n]).abs().max() for n in fresh) > 1e-5
+
+    third = grpo_update(model, tokens_P, responses, _objective, spec, capture=capture)
+    _lora_grads(model)
+    assert third.prefix_age == 0 and capture.age == 1  # max_prefix_age=2 reached: recaptured
+
+
+def test_spec_and_metrics_round_trip_pickle_and_validate(random_qwen3_path):
+    spec = UpdateSpec(mode="exact", chunk_size=16, measure_graph=True)
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    model = _lora_model(random_qwen3_path)
+    tokens_P, responses = _inputs(model.config.vocab_size)
+    metrics = grpo_update(model, tokens_P, responses, _objective, spec)
+    assert isinstance(metrics, UpdateMetrics) and pickle.loads(pickle.dumps(metrics)) == metrics
+    assert metrics.graph_bytes_max > 0 and metrics.peak_memory_bytes >= 0 and metrics.prefix_age == 0
+    with pytest.raises(LongStrawError, match="mode"):
+        UpdateSpec(mode="full")
+    with pytest.raises(LongStrawError, match="resident"):
+        grpo_update(model, tokens_P, responses, _objective, UpdateSpec(mode="resident"))
+    other = PrefixCapture(tokens_P.flip(0), capture_prefix(model, tokens_P).state)
+    with pytest.raises(LongStrawError, match="different prompt"):
+        grpo_update(model, tokens_P, responses, _objective, UpdateSpec(mode="resident"), capture=other)
+
+
+def _attention_reference(q, k, v, prefix_k, prefix_v, scale):
+    """Plain softmax over [prefix; own] keys with repeat_kv, as transformers' eager path computes it."""
+    hkv, groups, t, d = q.shape
+    keys = torch.cat([prefix_k, k], dim=1).repeat_interleave(groups, dim=0)  # [H, S+T, D]
+    values = torch.cat([prefix_v, v], dim=1).repeat_interleave(groups, dim=0)
+    s_len = prefix_k.shape[1]
+    visible = torch.ones(t, s_len + t, dtype=torch.bool).tril(diagonal=s_len)
+    scores = (q.reshape(hkv * groups, t, d) @ keys.transpose(1, 2)) * scale
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return (probs @ values).view(hkv, groups, t, d)
+
+
+@pytest.mark.parametrize("prefix_len", [0, 1, 13])
+def test_prefix_attention_matches_reference_with_grads(prefix_len):
+    """Output, dq, own dk/dv, and the prefix dK/dV sink, against autograd through the plain reference."""
+    gen = torch.Generator().manual_seed(0)
+    hkv, groups, t, d = 2, 3, 5, 8
+    q, k, v = (torch.randn(shape, generator=gen) for shape in ((hkv, groups, t, d), (hkv, t, d), (hkv, t, d)))
+    pk, pv = torch.randn(hkv, prefix_len, d, generator=gen), torch.randn(hkv, prefix_len, d, generator=gen)
+    dout = torch.randn(hkv, groups, t, d, generator=gen)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, pk, pv)]
+    _attention_reference(*leaves, 0.3).backward(dout)
+
+    ours = [x.clone().requires_grad_() for x in (q, k, v)]
+    prefix = KVPrefix(pk, pv, torch.zeros_like(pk), torch.zeros_like(pv))
+    out = prefix_attention(*ours, prefix, 0.3)
+    out.backward(dout)
+    torch.testing.assert_close(out, _attention_reference(q, k, v, pk, pv, 0.3), atol=1e-5, rtol=1e-5)
+    got_grads = [*(x.grad for x in ours), prefix.grad_k, prefix.grad_v]
+    for got, want in zip(got_grads, [x.grad for x in leaves], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_head_logprobs_match_token_logprobs_with_grads():
+    gen = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 97, bias=False).requires_grad_(False)
+    hidden = torch.randn(10, 16, generator=gen)
+    targets = torch.randint(0, 97, (10,), generator=gen)
+    weights = torch.randn(10, generator=gen)
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    got = longstraw.logprobs.head_logprobs(h1, head, targets, TEMPERATURE)
+    want = token_logprobs(head(h2), targets, TEMPERATURE)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_active_dropout_is_refused(random_qwen3_path):
+    """Capture and replay (and exact mode's recompute) must compute the same function."""
+    base = load_fp32(random_qwen3_path).requires_grad_(False)
+    model = add_lora(base, LoraConfig(dropout=0.1, target_experts=False), seed=0).train()
+    tokens_P, responses = _inputs(model.config.vocab_size)
+    with pytest.raises(LongStrawError, match="dropout"):
+        grpo_update(model, tokens_P, responses, _objective, UpdateSpec())
+    model.eval()
+    grpo_update(model, tokens_P, responses, _objective, UpdateSpec())
