@@ -31,11 +31,19 @@ from torch import nn
 from longstraw.adapters import Adapter, PrefixState, adapter_for
 from longstraw.errors import LongStrawError
 from longstraw.memory import GraphMeter, PeakMeter, module_storages
+from longstraw.routing import RouteReplay, SequenceRoutes
 
 MODES = ("detached", "exact", "resident")
 
 # objective(i, logp_R, ref_logp_R) -> (loss of response i, float stats to sum over the group)
 Objective = Callable[[int, torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, dict[str, float]]"]
+# backward(scalar, last): run backward on a scalar; `last` is true for the update's final backward. A training
+# framework that owns backward (DeepSpeed's engine.backward and its accumulation boundary) plugs in here.
+Backward = Callable[[torch.Tensor, bool], None]
+
+
+def _plain_backward(loss: torch.Tensor, last: bool) -> None:
+    loss.backward()
 
 
 @dataclass(frozen=True)
@@ -110,6 +118,8 @@ def grpo_update(
     spec: UpdateSpec,
     adapter: Adapter | None = None,
     capture: PrefixCapture | None = None,
+    backward: Backward | None = None,
+    routes: SequenceRoutes | None = None,
 ) -> UpdateMetrics:
     """Accumulate the LoRA gradient of sum_i objective(i, logp_i, ref_logp_i) into `.grad`; return metrics.
 
@@ -117,8 +127,25 @@ def grpo_update(
     logp_i: [R_i] fp32, log softmax(logits / T) of r_i given prompt and r_i[:j], with autograd.
     ref_logp_i: the same under the adapter disabled, no graph; None unless spec.need_ref.
     capture: resident mode's kept prefix (see `capture_prefix`); it must match tokens_P.
+    backward: how to run each backward (default `loss.backward()`); every backward here is on a scalar.
+    routes: R3, the recorded expert ids per position; every forward of the update (capture, reference, replays,
+        prompt backward) replays them where they are usable (longstraw.routing.SequenceRoutes).
     """
-    adapter = adapter or adapter_for(model)
+    backward = backward or _plain_backward
+    with RouteReplay(model) if routes is not None else nullcontext() as replay:
+        adapter = adapter or adapter_for(model)
+        adapter.on_positions = None if replay is None else (lambda start, n: replay.set(*routes.window(start, n)))
+        if routes is not None:
+            routes.replay = replay
+        try:
+            return _update(model, tokens_P, responses, objective, spec, adapter, capture, backward, routes)
+        finally:
+            adapter.on_positions = None
+            if routes is not None:
+                routes.replay = None
+
+
+def _update(model, tokens_P, responses, objective, spec, adapter, capture, backward, routes) -> UpdateMetrics:
     _check_tokens("tokens_P", tokens_P)
     if not responses:
         raise LongStrawError("grpo_update: no responses")
@@ -135,7 +162,7 @@ def grpo_update(
 
     meter = PeakMeter(tokens_P.device)
     meter.start()
-    ref_logps, ref_s = _score_reference(model, adapter, tokens_P, responses, spec)
+    ref_logps, ref_s = _score_reference(model, adapter, tokens_P, responses, spec, routes)
 
     t0 = _now(tokens_P)
     age = 0
@@ -150,7 +177,8 @@ def grpo_update(
     capture_s = _now(tokens_P) - t0
 
     t0 = _now(tokens_P)
-    loss, stats, graph_bytes = _replay(adapter, model, tokens_P, responses, objective, spec, state, grad, ref_logps)
+    replay = (adapter, model, tokens_P, responses, objective, spec, state, grad, ref_logps, backward, routes)
+    loss, stats, graph_bytes = _replay(*replay)
     replay_s = _now(tokens_P) - t0
 
     t0 = _now(tokens_P)
@@ -161,7 +189,9 @@ def grpo_update(
         if spec.measure_graph:
             exclude = module_storages(model) | state.storages() | grad.storages()
             meter_factory = lambda: GraphMeter(exclude)
-        prompt_graph_bytes = adapter.backward_prompt(tokens_P[:-1], state, grad, spec.chunk_size, meter_factory)
+        prompt_graph_bytes = adapter.backward_prompt(
+            tokens_P[:-1], state, grad, spec.chunk_size, meter_factory, backward=backward
+        )
         del grad
     prompt_backward_s = _now(tokens_P) - t0
     if capture is not None:
@@ -204,7 +234,7 @@ def score_response(
     return adapter.logprobs(hidden_T_Hd, response_R, temperature)
 
 
-def _score_reference(model, adapter, tokens_P, responses, spec) -> tuple[list[torch.Tensor | None], float]:
+def _score_reference(model, adapter, tokens_P, responses, spec, routes) -> tuple[list[torch.Tensor | None], float]:
     """Reference logprobs per response (adapter disabled, no graph), from its own capture, freed before returning."""
     if not spec.need_ref:
         return [None] * len(responses), 0.0
@@ -213,12 +243,16 @@ def _score_reference(model, adapter, tokens_P, responses, spec) -> tuple[list[to
     t0 = _now(tokens_P)
     with model.disable_adapter(), torch.no_grad():
         ref_state = adapter.capture(tokens_P[:-1], spec.chunk_size)
-        ref_logps = [score_response(adapter, tokens_P, r, ref_state, None, 0, spec.temperature) for r in responses]
+        ref_logps = []
+        for i, r in enumerate(responses):
+            if routes is not None:
+                routes.current = i
+            ref_logps.append(score_response(adapter, tokens_P, r, ref_state, None, 0, spec.temperature))
     del ref_state
     return ref_logps, _now(tokens_P) - t0
 
 
-def _replay(adapter, model, tokens_P, responses, objective, spec, state, grad, ref_logps):
+def _replay(adapter, model, tokens_P, responses, objective, spec, state, grad, ref_logps, backward, routes):
     """Serial replays with autograd; each graph is freed by its backward before the next response runs."""
     constant_rows = 0 if spec.mode == "exact" else 1
     exclude = set()
@@ -227,13 +261,15 @@ def _replay(adapter, model, tokens_P, responses, objective, spec, state, grad, r
     loss_sum, stats_sum, graph_bytes = 0.0, {}, 0
     for i, response_R in enumerate(responses):
         meter = GraphMeter(exclude) if spec.measure_graph else None
+        if routes is not None:
+            routes.current = i
         with meter if meter is not None else nullcontext():
             logp_R = score_response(adapter, tokens_P, response_R, state, grad, constant_rows, spec.temperature)
             loss, stats = objective(i, logp_R, ref_logps[i])
         if meter is not None:
             graph_bytes = max(graph_bytes, meter.nbytes)
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            loss.backward()
+            backward(loss, grad is None and i == len(responses) - 1)
         loss_sum += float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         for key, value in stats.items():
             stats_sum[key] = stats_sum.get(key, 0.0) + float(value)

@@ -18,6 +18,7 @@ loudly on the first hooked forward instead of recording garbage.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -199,3 +200,28 @@ class RouteReplay(RouterHooks):
         if getattr(module, "norm_topk_prob", False):
             weights_T_K = weights_T_K / weights_T_K.sum(dim=-1, keepdim=True)
         return logits_T_E, weights_T_K.to(logits_T_E.dtype), ids_T_K
+
+
+@dataclass
+class SequenceRoutes:
+    """Recorded routes by absolute position for one prompt and its G responses, for replay in piecewise forwards.
+
+    Prompt positions 0..P-2 read `prompt_routes_S_L_K`; position P-1+j of response `current` reads row j of its
+    routes (the rollout convention: row j is the forward that produced token j). `ok` masks say which rows are
+    usable; the others keep native routing.
+    """
+
+    prompt_routes_S_L_K: torch.Tensor  # [P-1, L, k]
+    prompt_ok_S: torch.Tensor  # [P-1] bool
+    responses: list[tuple[torch.Tensor, torch.Tensor]]  # G x ([R_i, L, k], [R_i] bool)
+    current: int = 0
+    replay: RouteReplay | None = None  # set by the engine while it replays; .native() reads the latest forward
+
+    def window(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routes [n, L, k], ok [n]) for positions start .. start + n - 1."""
+        routes_R_L_K, ok_R = self.responses[self.current]
+        routes = torch.cat([self.prompt_routes_S_L_K.long(), routes_R_L_K.long()])
+        ok = torch.cat([self.prompt_ok_S, ok_R])
+        if start + n > len(routes):
+            raise LongStrawError(f"routes cover {len(routes)} positions, a forward asked for {start}..{start + n - 1}")
+        return routes[start : start + n], ok[start : start + n]

@@ -103,7 +103,8 @@ class TrustCounts:
     def metrics(self) -> dict[str, float]:
         out = {
             "trust_kept_frac": self.kept / max(self.tokens, 1),
-            "out_of_route_ratio": self.out_of_route / max(self.routed, 1),
+            # nan (null in metrics.jsonl) when nothing was compared: no routes, or a dense model.
+            "out_of_route_ratio": self.out_of_route / self.routed if self.routed else float("nan"),
             "mismatch_kl": self.mismatch_kl_sum / max(self.kept, 1),
         }
         out.update({f"masked_{k}": float(v) for k, v in self.masked.items()})

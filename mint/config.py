@@ -131,6 +131,21 @@ class LearnerConfig:
     epochs: int = knob(
         1, "Passes over each step's rollouts (PPO epochs); above 1 the clip starts to matter.", min=1, max=16
     )
+    engine: str = knob("longstraw", "Inner step: longstraw (prompt captured once, responses replayed one at a time, "
+                       "memory bounded by the longest response) or naive (one padded full-sequence forward per "
+                       "group).", choices=("longstraw", "naive"))
+
+
+@dataclass(frozen=True)
+class LongStrawConfig:
+    mode: str = knob("exact", "exact: the gradient equals full-sequence backprop; detached: the prompt's K/V are "
+                     "constants (response-only objective, no prompt backward); resident: detached with the prompt "
+                     "capture kept across steps for a recurring prompt (stale by design). See docs/longstraw.md.",
+                     choices=("exact", "detached", "resident"))
+    chunk_size: int = knob(1024, "Prompt positions per capture chunk (and per prompt-backward chunk in exact mode).",
+                           min=1)
+    max_prefix_age: int = knob(0, "resident: recapture a prompt once its capture has served this many steps; "
+                               "0 never recaptures.", min=0)
 
 
 @dataclass(frozen=True)
@@ -157,10 +172,29 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class MintConfig:
-    save_every: int = knob(
-        1, "Write the adapter revision to the run directory every N steps (the last step always).", min=1
+    catalog: str = knob(
+        "",
+        "Revision catalog the run publishes every step's revision to (several runs may share one); "
+        "empty means <run dir>/catalog.",
     )
-    keep_last: int = knob(0, "Adapter directories kept in the run directory; 0 keeps all.", min=0)
+    save_every: int = knob(
+        1,
+        "Also export the revision as a PEFT adapter directory in <run dir>/adapters every N steps "
+        "(the last step always).",
+        min=1,
+    )
+    keep_last: int = knob(
+        0,
+        "Retention: revisions of this run whose tensors stay in the catalog (the N latest, plus tagged and named "
+        "ones; entries and lineage always stay), and adapter directories kept in <run dir>/adapters. 0 keeps all.",
+        min=0,
+    )
+    rollout_records: str = knob(
+        "full",
+        "Rollout records kept per step in the catalog (tokens, logprobs, rewards, linked to the sampling revision): "
+        "full (with R3 routes), no_routes, or off.",
+        choices=("full", "no_routes", "off"),
+    )
 
 
 @dataclass(frozen=True)
@@ -171,6 +205,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    longstraw: LongStrawConfig = field(default_factory=LongStrawConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     mint: MintConfig = field(default_factory=MintConfig)
@@ -277,6 +312,9 @@ def _field_names(section: str) -> set[str]:
 
 def check_consistency(config: Config) -> None:
     """Rules that involve more than one key."""
+    if config.learner.engine == "longstraw" and config.learner.zero_stage == 3:
+        raise ConfigError("learner.engine: longstraw runs the model piecewise and needs whole weights on each rank; "
+                          "use learner.zero_stage <= 2 or learner.engine = naive")
     if config.ray.learner_gpus == 0 and config.model.dtype == "float16":
         raise ConfigError("model.dtype: float16 needs a GPU learner (ray.learner_gpus > 0); use float32 or bfloat16")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from longstraw.routing import RouteReplay
+from longstraw.routing import RouteReplay, SequenceRoutes
 from longstraw.scoring import token_logprobs
 from longstraw.trust import ExpertLayout, TrustCounts, icepop_status, out_of_route, route_status, trust_mask
 from mint.config import Config, norm_constant
@@ -96,6 +96,45 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+class _GroupAccumulator:
+    """The per-response objective of one group, shared by both inner steps: trust mask (R3 x IcePop), PPO-clip
+    with KL, the global aggregation weight; and the group's stats."""
+
+    def __init__(self, learner: LearnerActor, group: GroupBatch, plan: StepPlan, route_status_G: list[torch.Tensor]):
+        self.learner, self.group = learner, group
+        self.route_status_G = route_status_G
+        lengths = [len(r) for r in group.responses]
+        self.weights_G = token_weights(lengths, learner.spec, plan.total_tokens, plan.total_seqs)
+        self.sums = dict(loss=0.0, kl=0.0, clipped=0.0, tokens=float(sum(lengths)), seqs=float(len(lengths)))
+        self.trust = TrustCounts()
+
+    def response_loss(self, i: int, logp_R, ref_R, old, native_R_L_K) -> torch.Tensor:
+        """Response i's weighted loss contribution; masked tokens contribute 0 and are counted by reason."""
+        learner, group, grpo = self.learner, self.group, self.learner.config.grpo
+        device = logp_R.device
+        old_R = old[i].to(device) if old is not None else logp_R.detach()
+        rollout_R = group.rollout_logprobs[i].to(device)
+        ratio_status = icepop_status(old_R, rollout_R, grpo.icepop_alpha, grpo.icepop_beta) if grpo.icepop else None
+        status_R = self.route_status_G[i] if grpo.r3 else torch.zeros_like(self.route_status_G[i])
+        mask_R, counts = trust_mask(status_R.to(device), ratio_status, old_R, rollout_R)
+        if native_R_L_K is not None and group.routes is not None and group.routes[i] is not None:
+            # Only positions with a usable route are compared; a malformed payload has none (all statuses nonzero).
+            status = self.route_status_G[i]
+            counts.out_of_route, counts.routed = out_of_route(native_R_L_K.cpu(), group.routes[i], status)
+        self.trust.add(counts)
+        adv_R = group.adv_G[i].to(device).expand_as(logp_R)
+        loss_R, st = per_token_objective(logp_R, old_R, adv_R, learner.spec, ref_logp_T=ref_R)
+        contribution = self.weights_G[i].to(device) * (loss_R * mask_R).sum()
+        kept = mask_R.bool()
+        self.sums["loss"] += float(contribution.detach())
+        self.sums["kl"] += float(st["kl_T"][kept].sum())
+        self.sums["clipped"] += float(st["clipped_T"][kept].float().sum())
+        return contribution
+
+    def stats(self) -> dict:
+        return {**self.sums, "trust": self.trust}
+
+
 class LearnerActor:
     """One data-parallel rank of the learner: frozen base + LoRA, wrapped by DeepSpeed."""
 
@@ -149,6 +188,8 @@ class LearnerActor:
         optimizer = torch.optim.AdamW(params, lr=config.learner.lr, weight_decay=config.learner.weight_decay)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=_deepspeed_config(config))
         self._deepspeed = deepspeed
+        self._captures: dict[bytes, object] = {}  # resident mode: prompt tokens -> kept PrefixCapture
+        self._captures_used: set[bytes] = set()
         self.steps_done = 0
         return self.rank
 
@@ -230,22 +271,23 @@ class LearnerActor:
         trust = TrustCounts()
         old_logprobs: dict[int, list[torch.Tensor]] = {}
         n_micro = len(plan.micro_steps)
+        micro_step = self._longstraw_micro if self.config.learner.engine == "longstraw" else self._naive_micro
         for epoch in range(self.config.learner.epochs):
             for i, micro in enumerate(plan.micro_steps):
-                self.engine.set_gradient_accumulation_boundary(i == n_micro - 1)
-                loss, stats, logp = self._micro_loss(micro, plan, old_logprobs.get(i))
+                stats, logp = micro_step(micro, plan, old_logprobs.get(i), last=i == n_micro - 1)
                 if epoch == 0:
                     old_logprobs[i] = [lp.detach() for lp in logp]
                     if micro.real:
                         logp_diff_max = max(logp_diff_max, _max_abs_diff(logp, micro.group.rollout_logprobs))
-                # DeepSpeed averages gradients over ranks; scaling by world size turns that into the global sum.
-                self.engine.backward(loss * (self.world_size if micro.real else 0.0))
                 if micro.real and epoch == self.config.learner.epochs - 1:
                     trust.add(stats.pop("trust"))
                     for k, v in stats.items():
                         sums[k] += v
             self.engine.step()
         self.steps_done += 1
+        # resident mode keeps the captures of this step's prompts only.
+        self._captures = {k: v for k, v in self._captures.items() if k in self._captures_used}
+        self._captures_used = set()
         grad_norm = self.engine.get_global_grad_norm()
         sums["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         sums["peak_memory_mb"] = _peak_memory_mb(self.device)
@@ -253,8 +295,13 @@ class LearnerActor:
         sums["trust"] = trust
         return sums
 
-    def _micro_loss(self, micro: MicroStep, plan: StepPlan, old: list[torch.Tensor] | None):
-        """The group's loss contribution (weights from global counts), its stats, and the fresh logprobs."""
+    def _loss_scale(self, micro: MicroStep) -> float:
+        # DeepSpeed averages gradients over ranks; scaling by world size turns that into the global sum. Padding
+        # micro-steps (real=False) run forward and backward for lockstep but weigh nothing.
+        return float(self.world_size) if micro.real else 0.0
+
+    def _naive_micro(self, micro: MicroStep, plan: StepPlan, old: list[torch.Tensor] | None, last: bool):
+        """One padded full-sequence forward for the group's G responses, then one backward."""
         group = micro.group
         replay, route_status_G = self._replay_inputs(group)
         logp = self._score_group(group, with_grad=True, replay=replay)
@@ -262,43 +309,94 @@ class LearnerActor:
         if self.spec.kl_coef > 0:
             ref_replay = None if replay is None else _Replay(replay.routes_T_L_K, replay.ok_T)
             ref = self._score_group(group, with_grad=False, adapter=False, replay=ref_replay)
-        lengths = [len(r) for r in group.responses]
-        weights_G = token_weights(lengths, self.spec, plan.total_tokens, plan.total_seqs)
+        acc = _GroupAccumulator(self, group, plan, route_status_G)
         loss = torch.zeros((), device=self.device)
-        stats = dict(loss=0.0, kl=0.0, clipped=0.0, tokens=float(sum(lengths)), seqs=float(len(lengths)))
-        trust = TrustCounts()
-        grpo = self.config.grpo
         for i, logp_R in enumerate(logp):
-            old_R = old[i] if old is not None else logp_R.detach()
-            rollout_R = group.rollout_logprobs[i].to(self.device)
-            ratio_status = icepop_status(old_R, rollout_R, grpo.icepop_alpha, grpo.icepop_beta) if grpo.icepop else None
-            status_R = route_status_G[i] if grpo.r3 else torch.zeros_like(route_status_G[i])
-            mask_R, counts = trust_mask(status_R.to(self.device), ratio_status, old_R, rollout_R)
-            trust.add(counts)
+            native = None
             if replay is not None and replay.native_T_L_K is not None:
-                counts_oor = self._out_of_route(group, replay, i, route_status_G[i])
-                trust.out_of_route += counts_oor[0]
-                trust.routed += counts_oor[1]
-            adv_R = group.adv_G[i].to(self.device).expand_as(logp_R)
-            loss_R, st = per_token_objective(
-                logp_R, old_R, adv_R, self.spec, ref_logp_T=ref[i] if ref is not None else None
-            )
-            contribution = weights_G[i].to(self.device) * (loss_R * mask_R).sum()
-            loss = loss + contribution
-            kept = mask_R.bool()
-            stats["loss"] += float(contribution.detach())
-            stats["kl"] += float(st["kl_T"][kept].sum())
-            stats["clipped"] += float(st["clipped_T"][kept].float().sum())
-        stats["trust"] = trust
-        return loss, stats, logp
+                native = self._response_rows(group, replay.native_T_L_K, i)
+            loss = loss + acc.response_loss(i, logp_R, ref[i] if ref is not None else None, old, native)
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss * self._loss_scale(micro))
+        return acc.stats(), logp
 
-    def _out_of_route(self, group: GroupBatch, replay: _Replay, i: int, status_R: torch.Tensor) -> tuple[int, int]:
-        """Response i's tokens whose learner-native top-k differs from the recorded one (measured while replaying)."""
+    def _longstraw_micro(self, micro: MicroStep, plan: StepPlan, old: list[torch.Tensor] | None, last: bool):
+        """LongStraw: capture the prompt once, replay each response with autograd and backward it, one at a time."""
+        from longstraw.engine import UpdateSpec, grpo_update
+
+        group = micro.group
+        route_status_G, routes = self._sequence_routes(group)
+        acc = _GroupAccumulator(self, group, plan, route_status_G)
+        scale = self._loss_scale(micro)
+        logp: list[torch.Tensor] = [None] * len(group.responses)
+
+        def objective(i: int, logp_R: torch.Tensor, ref_R: torch.Tensor | None):
+            logp[i] = logp_R.detach()
+            native = routes.replay.native() if routes is not None and routes.replay is not None else None
+            return acc.response_loss(i, logp_R, ref_R, old, native) * scale, {}
+
+        def backward(loss: torch.Tensor, final: bool) -> None:
+            self.engine.set_gradient_accumulation_boundary(last and final)
+            self.engine.backward(loss)
+
+        ls = self.config.longstraw
+        spec = UpdateSpec(
+            mode=ls.mode,
+            chunk_size=ls.chunk_size,
+            temperature=self.config.rollout.temperature,
+            need_ref=self.spec.kl_coef > 0,
+            max_prefix_age=ls.max_prefix_age,
+        )
+        capture = self._resident_capture(group.prompt_tokens_P) if ls.mode == "resident" else None
+        device = self.device
+        grpo_update(
+            self.engine.module,
+            group.prompt_tokens_P.to(device),
+            [r.to(device) for r in group.responses],
+            objective,
+            spec,
+            capture=capture,
+            backward=backward,
+            routes=routes,
+        )
+        return acc.stats(), logp
+
+    def _resident_capture(self, tokens_P: torch.Tensor):
+        """resident mode: the kept capture of this prompt, or a fresh one (kept for the prompts of the last step)."""
+        from longstraw.engine import capture_prefix
+
+        key = tokens_P.numpy().tobytes()
+        self._captures_used.add(key)
+        if key not in self._captures:
+            ls = self.config.longstraw
+            self._captures[key] = capture_prefix(self.engine.module, tokens_P.to(self.device), ls.chunk_size)
+        return self._captures[key]
+
+    def _sequence_routes(self, group: GroupBatch):
+        """Per-response route statuses [R_i] and, with R3 on, the recorded routes by position for LongStraw."""
+        replay, statuses = self._replay_inputs(group)
+        if replay is None:
+            return statuses, None
+        # With R3 off every ok is False: the routers run natively, and the replay still measures out-of-route.
+        num_prompt = len(group.prompt_tokens_P)
+        seq_len = num_prompt + max(len(r) for r in group.responses) - 1
+        routes_G_S = replay.routes_T_L_K.view(len(group.responses), seq_len, *replay.routes_T_L_K.shape[1:])
+        ok_G_S = replay.ok_T.view(len(group.responses), seq_len)
+        # The prompt rows are the same in every row of the padded batch; response i's rows follow them.
+        rows = [slice(num_prompt - 1, num_prompt - 1 + len(r)) for r in group.responses]
+        responses = [(routes_G_S[i, rows[i]], ok_G_S[i, rows[i]]) for i in range(len(group.responses))]
+        # Prompt rows are identical in every row that has them; a row whose own record is missing has none.
+        prompt_ok_G_S = ok_G_S[:, : num_prompt - 1]
+        source = int(prompt_ok_G_S.any(1).float().argmax())
+        return statuses, SequenceRoutes(routes_G_S[source, : num_prompt - 1], prompt_ok_G_S[source], responses)
+
+    @staticmethod
+    def _response_rows(group: GroupBatch, rows_T_L_K: torch.Tensor, i: int) -> torch.Tensor:
+        """Response i's producing positions (P-1 .. P+R_i-2) out of a padded [G * S] flattening."""
         num_prompt, r_max = len(group.prompt_tokens_P), max(len(r) for r in group.responses)
         seq_len = num_prompt + r_max - 1
-        n = len(group.responses[i])
-        rows = slice(i * seq_len + num_prompt - 1, i * seq_len + num_prompt - 1 + n)
-        return out_of_route(replay.native_T_L_K[rows], replay.routes_T_L_K[rows], status_R)
+        first = i * seq_len + num_prompt - 1
+        return rows_T_L_K[first : first + len(group.responses[i])]
 
     # ---- state out -----------------------------------------------------------------------------------------------
 

@@ -91,6 +91,7 @@ def test_cli_main_job_prints_json_last_line_under_zero3(tmp_path):
             "recipes/smoke.toml",
             "grpo.steps=2",
             "learner.zero_stage=3",
+            "learner.engine=naive",
             "grpo.filter_zero_variance=true",
             f"logging.root={tmp_path}",
             "logging.name=cli",
@@ -128,3 +129,24 @@ def test_a_raising_reward_function_is_counted_and_never_stops_the_run(tmp_path):
     group_size, prompts = config.rollout.group_size, config.rollout.prompts_per_step
     assert [m["reward_errors"] for m in lines] == [group_size * prompts] * 2
     assert all(m["reward_mean"] == 0.0 for m in lines) and summary["steps"] == 2
+
+
+@pytest.mark.parametrize("mode", ["detached", "resident"])
+def test_longstraw_modes_train_through_ray(tmp_path, mode):
+    """The default engine is LongStraw exact (the test above); the other modes run the same loop."""
+    config = load_config(
+        ROOT / "recipes/smoke.toml",
+        [
+            "grpo.steps=3",
+            "learner.num_ranks=1",
+            f"longstraw.mode={mode}",
+            f"logging.root={tmp_path}",
+            f"logging.name={mode}",
+            "logging.progress=false",
+        ],
+    )
+    summary = train(config)
+    fresh = add_lora(load_model(resolve_model_path(config.model.path)), config.lora, config.grpo.seed)
+    assert summary["lora_digest"] != _digests(fresh)["lora"] and summary["base_digest"] == _digests(fresh)["base"]
+    lines = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["logp_diff_max"] < 1e-4 and m["trust_kept_frac"] == 1.0 for m in lines)

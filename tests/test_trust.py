@@ -99,7 +99,8 @@ def test_replay_weights_come_from_learner_logits_and_reach_a_trainable_router(ra
 
 
 class _Engine(nn.Module):
-    """The learner's view of its model (`engine(...)`, `engine.module`), here without DeepSpeed around it."""
+    """The learner's view of its model (`engine(...)`, `.module`, `.backward`), in plain torch: one process, no
+    DeepSpeed, so gradients are exactly those of the loss."""
 
     def __init__(self, module):
         super().__init__()
@@ -107,6 +108,12 @@ class _Engine(nn.Module):
 
     def forward(self, **kwargs):
         return self.module(**kwargs)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def set_gradient_accumulation_boundary(self, boundary: bool) -> None:
+        pass  # one process: nothing to reduce
 
 
 def _local_learner(path: str, overrides: list[str]) -> LearnerActor:
@@ -121,6 +128,8 @@ def _local_learner(path: str, overrides: list[str]) -> LearnerActor:
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     learner.engine = _Engine(model)
+    learner.world_size = 1
+    learner._captures, learner._captures_used = {}, set()
     return learner
 
 
@@ -154,9 +163,8 @@ def test_excluded_tokens_contribute_zero_gradient(random_qwen3_path):
     learner = _local_learner(random_qwen3_path, ["grpo.icepop=false"])
     group = _group(routes_ok=False)
     plan = StepPlan([MicroStep(group, True)], total_tokens=5, total_seqs=2)
-    loss, stats, _ = learner._micro_loss(plan.micro_steps[0], plan, None)
+    stats, _ = learner._naive_micro(plan.micro_steps[0], plan, None, last=True)
     assert stats["trust"].masked["route_out_of_range"] == 1 and stats["trust"].kept == 4
-    loss.backward()
     grads = _lora_grads(learner.engine.module)
     learner.engine.module.zero_grad()
 
@@ -175,7 +183,7 @@ def test_excluded_tokens_contribute_zero_gradient(random_qwen3_path):
         manual = manual + (loss_R * keep).sum() / 5
     manual.backward()
     assert torch.allclose(grads, _lora_grads(learner.engine.module), atol=1e-7)
-    assert float(loss.detach()) == pytest.approx(float(manual.detach()), abs=1e-7)
+    assert stats["loss"] == pytest.approx(float(manual.detach()), abs=1e-7)
 
 
 def test_bad_route_payloads_are_counted_never_a_crash(random_qwen3_path):
@@ -202,9 +210,12 @@ def test_bad_route_payloads_are_counted_never_a_crash(random_qwen3_path):
     }
     for reason, group in cases.items():
         plan = StepPlan([MicroStep(group, True)], total_tokens=5, total_seqs=2)
-        loss, stats, _ = learner._micro_loss(plan.micro_steps[0], plan, None)
-        assert stats["trust"].masked[reason] == 5 and stats["trust"].kept == 0, reason
-        assert float(loss) == 0.0
+        for micro_step in (learner._naive_micro, learner._longstraw_micro):
+            learner.engine.module.zero_grad()
+            stats, _ = micro_step(plan.micro_steps[0], plan, None, last=True)
+            assert stats["trust"].masked[reason] == 5 and stats["trust"].kept == 0, reason
+            assert stats["loss"] == 0.0
+            assert float(_lora_grads(learner.engine.module).abs().sum()) == 0.0
 
 
 def test_routes_round_trip_through_the_ray_object_store():
@@ -229,3 +240,31 @@ def test_routes_round_trip_through_the_ray_object_store():
     assert back.completions[0].routes_R_L_K.dtype == torch.uint8
     assert torch.equal(back.completions[0].routes_R_L_K, routes)
     assert torch.equal(back.prompt_routes_P1_L_K, group.prompt_routes_P1_L_K)
+
+
+@pytest.mark.parametrize("r3", ["true", "false"])
+def test_longstraw_exact_step_equals_the_naive_step(random_tiny_path, r3):
+    """Same group, same objective (trust mask, KL): LongStraw exact gradients = the padded full-sequence step."""
+    overrides = [
+        "longstraw.mode=exact",
+        "longstraw.chunk_size=2",
+        "grpo.kl_coef=0.05",
+        f"grpo.r3={r3}",
+        "grpo.icepop=false",
+    ]
+    learner = _local_learner(random_tiny_path, overrides)
+    group = _group(routes_ok=False)
+    plan = StepPlan([MicroStep(group, True)], total_tokens=5, total_seqs=2)
+    naive_stats, naive_logp = learner._naive_micro(plan.micro_steps[0], plan, None, last=True)
+    naive = _lora_grads(learner.engine.module)
+    learner.engine.module.zero_grad()
+    ls_stats, ls_logp = learner._longstraw_micro(plan.micro_steps[0], plan, None, last=True)
+    assert torch.allclose(_lora_grads(learner.engine.module), naive, atol=1e-6, rtol=1e-4)
+    for a, b in zip(ls_logp, naive_logp, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert ls_stats["loss"] == pytest.approx(naive_stats["loss"], abs=1e-6)
+    assert ls_stats["kl"] == pytest.approx(naive_stats["kl"], rel=1e-4, abs=1e-9)
+    a, b = ls_stats["trust"], naive_stats["trust"]
+    # With R3 the bad-route token is out (R3 off: nothing is excluded for routes); the rest carry gradient.
+    assert a.kept == (4 if r3 == "true" else 5) and float(naive.abs().sum()) > 0
+    assert (a.kept, a.masked, a.routed, a.out_of_route) == (b.kept, b.masked, b.routed, b.out_of_route)

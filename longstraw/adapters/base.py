@@ -70,7 +70,12 @@ class Adapter(ABC):
     Positions are absolute: a call over `tokens_T` at `start` covers positions start .. start + T - 1, and the
     prefix state must hold exactly positions 0 .. start - 1. Submodules are the model's own (PEFT-wrapped) modules,
     so LoRA on attention and on fused experts is live, and router hooks (R3) fire as in a plain forward.
+
+    `on_positions(start, T)`, when the engine sets it, is called before every forward over positions
+    start .. start + T - 1 (R3 uses it to hand the routers that window's recorded routes).
     """
+
+    on_positions = None
 
     @abstractmethod
     def capture(self, tokens_S: torch.Tensor, chunk_size: int) -> PrefixState:
@@ -93,12 +98,19 @@ class Adapter(ABC):
 
     @abstractmethod
     def backward_prompt(
-        self, tokens_S: torch.Tensor, state: PrefixState, grad: PrefixState, chunk_size: int, meter=None
+        self,
+        tokens_S: torch.Tensor,
+        state: PrefixState,
+        grad: PrefixState,
+        chunk_size: int,
+        meter=None,
+        backward=None,
     ) -> int:
         """Back-propagate `grad` (d loss / d state) into the LoRA parameters' .grad, chunk by chunk, last first.
 
         Each chunk's forward is recomputed against the stored state of the earlier chunks, whose gradient
         accumulates into `grad` as the chunk's backward runs; memory is one chunk's graph plus `grad`.
         meter: optional factory of a GraphMeter-like context entered around each chunk's recompute; returns the
-        largest chunk graph it measured in bytes (0 without a meter).
+        largest chunk graph it measured in bytes (0 without a meter). backward: the engine's backward hook,
+        called as backward(scalar, last) once per chunk (last for the first chunk, which runs last).
         """

@@ -81,6 +81,8 @@ class QwenAdapter(Adapter):
 
         full=False stops after the last layer's K/V: prompt positions need nothing past that.
         """
+        if self.on_positions is not None:
+            self.on_positions(start, tokens_T.shape[0])
         h = self.decoder.embed_tokens(tokens_T)
         cos, sin = self._rope(h, start)
         kv = []
@@ -130,7 +132,9 @@ class QwenAdapter(Adapter):
     def logprobs(self, hidden_T_Hd: torch.Tensor, targets_T: torch.Tensor, temperature: float) -> torch.Tensor:
         return head_logprobs(hidden_T_Hd, self.lm_head, targets_T, temperature)
 
-    def backward_prompt(self, tokens_S, state: KVState, grad: KVState, chunk_size: int, meter=None) -> int:
+    def backward_prompt(
+        self, tokens_S, state: KVState, grad: KVState, chunk_size: int, meter=None, backward=None
+    ) -> int:
         s_len = tokens_S.shape[0]
         graph_bytes = 0
         for start in reversed(range(0, s_len, chunk_size)):
@@ -149,6 +153,12 @@ class QwenAdapter(Adapter):
                         outputs.append(out)
                         grads.append(g.to(out.dtype))
             if outputs:
-                torch.autograd.backward(outputs, grads)
+                # <out, g> summed is a scalar whose gradient w.r.t. each out is g: one scalar backward per chunk,
+                # so a framework that only back-propagates losses (DeepSpeed) can run it.
+                surrogate = sum((out * g).sum() for out, g in zip(outputs, grads, strict=True))
+                if backward is None:
+                    surrogate.backward()
+                else:
+                    backward(surrogate, start == 0)
             del kv, outputs, grads
         return graph_bytes
