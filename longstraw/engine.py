@@ -58,6 +58,10 @@ class UpdateSpec:
     max_prefix_age: int = field(
         default=0, metadata={"help": "resident: recapture once a prefix has served this many updates (0 = never)."}
     )
+    kernels: str = field(
+        default="auto",
+        metadata={"help": "auto: Triton kernels (longstraw.kernels) on CUDA, plain torch on CPU; on; off."},
+    )
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -66,6 +70,8 @@ class UpdateSpec:
             raise LongStrawError(f"UpdateSpec.chunk_size: must be >= 1, got {self.chunk_size}")
         if self.temperature <= 0:
             raise LongStrawError(f"UpdateSpec.temperature: must be > 0, got {self.temperature}")
+        if self.kernels not in ("auto", "on", "off"):
+            raise LongStrawError(f"UpdateSpec.kernels: {self.kernels!r} is not one of auto, on, off")
         if self.max_prefix_age < 0:
             raise LongStrawError(f"UpdateSpec.max_prefix_age: must be >= 0, got {self.max_prefix_age}")
 
@@ -134,6 +140,7 @@ def grpo_update(
     backward = backward or _plain_backward
     with RouteReplay(model) if routes is not None else nullcontext() as replay:
         adapter = adapter or adapter_for(model)
+        adapter.kernels = spec.kernels
         adapter.on_positions = None if replay is None else (lambda start, n: replay.set(*routes.window(start, n)))
         if routes is not None:
             routes.replay = replay

@@ -346,6 +346,7 @@ class LearnerActor:
             temperature=self.config.rollout.temperature,
             need_ref=self.spec.kl_coef > 0,
             max_prefix_age=ls.max_prefix_age,
+            kernels=ls.kernels,
         )
         capture = self._resident_capture(group.prompt_tokens_P) if ls.mode == "resident" else None
         device = self.device

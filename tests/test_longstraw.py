@@ -100,8 +100,8 @@ def _hf_grads(model, tokens_P, responses, detach_prompt_kv):
     return _lora_grads(model)
 
 
-def _engine_grads(model, tokens_P, responses, mode, chunk_size=7):
-    spec = UpdateSpec(mode=mode, chunk_size=chunk_size, temperature=TEMPERATURE, need_ref=True)
+def _engine_grads(model, tokens_P, responses, mode, chunk_size=7, kernels="auto"):
+    spec = UpdateSpec(mode=mode, chunk_size=chunk_size, temperature=TEMPERATURE, need_ref=True, kernels=kernels)
     metrics = grpo_update(model, tokens_P, responses, _objective, spec)
     return _lora_grads(model), metrics
 
@@ -139,6 +139,31 @@ def test_exact_grads_equal_full_backprop(random_tiny_path):
     got, metrics = _engine_grads(model, tokens_P, responses, "exact")
     _assert_grads_close(got, want)
     assert metrics.mode == "exact" and metrics.dkv_bytes == metrics.prefix_bytes  # fp32 dKV of fp32 K/V
+
+
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_kernel_path_wiring_equals_full_backprop(random_tiny_path, mode, monkeypatch):
+    """Issue 4 integration: with kernels="on" the adapter calls longstraw.kernels (prefix_attention with the exact
+    mode's dK/dV buffers, fused_logprob from hidden states); on CPU tensors those dispatch to their torch references,
+    so this pins the wiring (layouts, GQA head order, buffer accumulation). The Triton bodies are checked against the
+    same references under TRITON_INTERPRET=1 in tests/test_kernel_*.py."""
+    import longstraw.kernels as kernels
+
+    calls = {"prefix_attention": 0, "fused_logprob": 0}
+    for name in calls:
+        original = getattr(kernels, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, counted)
+    model = _lora_model(random_tiny_path)
+    tokens_P, responses = _inputs(model.config.vocab_size)
+    want = _hf_grads(model, tokens_P, responses, detach_prompt_kv=mode == "detached")
+    got, _ = _engine_grads(model, tokens_P, responses, mode, kernels="on")
+    _assert_grads_close(got, want)
+    assert calls["prefix_attention"] > 0 and calls["fused_logprob"] == 2 * len(responses)  # replays + reference
 
 
 def test_detached_grads_equal_backprop_with_prompt_kv_detached(random_tiny_path, capsys):

@@ -76,6 +76,9 @@ class Adapter(ABC):
     """
 
     on_positions = None
+    # "auto": longstraw.kernels (Triton) for CUDA tensors, the plain-torch paths on CPU; "on": always the kernels'
+    # functional API (which itself falls back to its torch reference on CPU); "off": never.
+    kernels = "auto"
 
     @abstractmethod
     def capture(self, tokens_S: torch.Tensor, chunk_size: int) -> PrefixState:

@@ -13,6 +13,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+import longstraw.kernels as kernels
 from longstraw.adapters.base import Adapter, KVState
 from longstraw.attention import KVPrefix, prefix_attention
 from longstraw.errors import LongStrawError
@@ -66,9 +67,26 @@ class QwenAdapter(Adapter):
         k = k * cos + _rotate_half(k) * sin
         return q.reshape(self.num_kv_heads, self.groups, t, self.head_dim), k, v
 
+    def _use_kernels(self, like: torch.Tensor) -> bool:
+        return self.kernels == "on" or (self.kernels == "auto" and like.is_cuda)
+
     def _attend(self, attn: nn.Module, q, k, v, prefix: KVPrefix) -> torch.Tensor:
-        out = prefix_attention(q, k, v, prefix, attn.scaling)  # [Hkv, G, T, D]
         t = q.shape[2]
+        if self._use_kernels(q):
+            # longstraw.kernels: Triton on CUDA (its own reference on CPU). Query head h = kv * G + g reads K/V head
+            # h // G in both layouts; the kernel adds prefix dK/dV into the exact-mode buffers when they are set.
+            out = kernels.prefix_attention(
+                q.reshape(self.num_heads, t, self.head_dim),
+                prefix.k,
+                prefix.v,
+                k,
+                v,
+                attn.scaling,
+                dk_prefix_acc=prefix.grad_k,
+                dv_prefix_acc=prefix.grad_v,
+            )
+        else:
+            out = prefix_attention(q, k, v, prefix, attn.scaling)  # [Hkv, G, T, D]
         return attn.o_proj(out.reshape(self.num_heads, t, self.head_dim).transpose(0, 1).reshape(t, -1))
 
     @staticmethod
@@ -130,7 +148,12 @@ class QwenAdapter(Adapter):
         return hidden
 
     def logprobs(self, hidden_T_Hd: torch.Tensor, targets_T: torch.Tensor, temperature: float) -> torch.Tensor:
-        return head_logprobs(hidden_T_Hd, self.lm_head, targets_T, temperature)
+        head = self.lm_head
+        frozen = type(head) is nn.Linear and head.bias is None and not head.weight.requires_grad
+        if frozen and self._use_kernels(hidden_T_Hd):
+            # Chunked over V with an online logsumexp; backward gives dHidden only (no [V, H] buffer).
+            return kernels.fused_logprob(hidden_T_Hd, head.weight, targets_T, temperature)[0]
+        return head_logprobs(hidden_T_Hd, head, targets_T, temperature)
 
     def backward_prompt(
         self, tokens_S, state: KVState, grad: KVState, chunk_size: int, meter=None, backward=None
