@@ -1,4 +1,5 @@
-"""`mint` command line: `mint train RECIPE [section.key=value ...]`.
+"""`mint` command line: `mint train RECIPE [section.key=value ...]`, `mint keys`, and the catalog's commands
+(`mint revisions list|show|lineage|tag|gc`, `mint export`, `mint serve`; see mint/revisions_cli.py).
 
 A MintError (bad recipe, bad data path, unknown reward...) prints one line and exits 2 for configuration errors,
 1 otherwise; no traceback. The last line of a training run's stdout is one JSON object: the run summary.
@@ -12,6 +13,8 @@ import os
 import sys
 
 from mint.errors import ConfigError, MintError
+from mint.revisions_cli import add_parsers
+from mint.revisions_cli import run as run_catalog_command
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("recipe", help="path to a TOML recipe, e.g. recipes/smoke.toml")
     train.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
     sub.add_parser("keys", help="list every recipe key with its default and help")
+    add_parsers(sub)
     return parser
 
 
@@ -28,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        if args.command in ("revisions", "export", "serve"):
+            return run_catalog_command(args)
         if args.command == "keys":
             from mint.config import config_markdown
 

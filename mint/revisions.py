@@ -1,28 +1,51 @@
 """Adapter revisions: immutable LoRA snapshots addressed by the sha256 of their canonical tensors.
 
-A revision on disk is a PEFT adapter directory (`adapter_model.safetensors` + `adapter_config.json`) plus
-`mint_revision.json` (id, parent, step, run, recipe hash, metrics). Directories are written to a temporary sibling,
-fsynced, and renamed into place, so a reader never sees half a revision.
+A revision on disk is a PEFT adapter directory plus Mint's metadata:
+
+    adapter_model.safetensors   the LoRA tensors, under PEFT's saved names
+    adapter_config.json         PEFT's LoraConfig, so `PeftModel.from_pretrained(base, dir)` loads it unchanged
+    mint_revision.json          id, parent, step, run, recipe hash, base model + fingerprint, metrics, created
+
+Writes go to a temporary sibling directory; every file is fsynced, the directory is renamed into place, and the parent
+directory is fsynced, so a reader sees a whole revision or none. Reads recompute the id from the tensors and refuse a
+file whose hash differs or that does not parse (a partial or corrupt write) with a one-line `MintError`.
+
+The index over many revisions (lineage, tags, latest per run) is `mint.catalog`; this module is the file format.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
+import struct
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
+from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save as st_save
+from safetensors.torch import save_file as st_save_file
+
+from mint.errors import MintError
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 META_FILE = "mint_revision.json"
+
+# Base fingerprint: this many tensors, evenly spaced over the sorted names, each hashed over its first 16 MiB. Reading
+# 8 x 16 MiB costs well under a second even for a 60 GB checkpoint, and a changed or re-quantized base still changes
+# the config or one of those prefixes.
+FINGERPRINT_TENSORS = 8
+FINGERPRINT_BYTES = 16 << 20
+# config.json keys that say nothing about the weights (they change when the same weights are re-saved).
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash")
 
 
 def revision_id(tensors: dict[str, torch.Tensor]) -> str:
@@ -48,6 +71,37 @@ def from_bytes(data: bytes) -> dict[str, torch.Tensor]:
     return st_load(data)
 
 
+@dataclass(frozen=True)
+class RevisionMeta:
+    """Everything Mint knows about one revision besides its tensors. Immutable once published."""
+
+    id: str  # sha256 of the canonical tensors (`revision_id`)
+    run: str  # run name (logging.name) that published it
+    step: int  # optimizer steps behind it; 0 is the initial adapter
+    parent: str | None  # the revision it was trained from (the one whose rollouts produced this update)
+    created: float  # unix time of the first publish
+    recipe_hash: str = ""  # Config.digest() of the run
+    base_model: str = ""  # the model spec of the run (hub id, path, or tiny:<family>)
+    base_fingerprint: str = ""  # `base_fingerprint` of the resolved base
+    lora_config: dict[str, Any] = field(default_factory=dict)  # adapter_config.json content
+    metrics: dict[str, Any] = field(default_factory=dict)  # the step's metrics (reward_mean, loss, ...)
+    nbytes: int = 0  # size of adapter_model.safetensors
+    stored: bool = True  # False once gc reclaimed the tensors (the entry and its lineage stay)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RevisionMeta:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
 def _fsync_write(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -55,23 +109,144 @@ def _fsync_write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename inside it survives a crash (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_revision_dir(
     target: Path, tensors: dict[str, torch.Tensor], adapter_config: dict[str, Any], meta: dict[str, Any]
 ) -> str:
-    """Write a PEFT-loadable adapter directory atomically; returns the revision id. Existing targets are kept."""
+    """Write a PEFT-loadable revision directory atomically; returns the revision id. An existing target is kept.
+
+    `meta` is stored in mint_revision.json with `id` (and `created`, unless given) added.
+    """
     target = Path(target)
     rev = revision_id(tensors)
     if target.exists():
         return rev
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        _fsync_write(tmp / ADAPTER_FILE, to_bytes(tensors))
+        st_save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / ADAPTER_FILE))
+        _fsync_file(tmp / ADAPTER_FILE)
         _fsync_write(tmp / CONFIG_FILE, json.dumps(adapter_config, indent=2, sort_keys=True).encode())
-        record = {"id": rev, "created": time.time(), **meta}
+        record = {"created": time.time(), **meta, "id": rev}
         _fsync_write(tmp / META_FILE, json.dumps(record, indent=2, sort_keys=True).encode())
-        os.rename(tmp, target)
-    except BaseException:
+        fsync_dir(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / META_FILE).exists():  # not a concurrent writer of the same revision: a real failure
+                raise
+        fsync_dir(target.parent)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return rev
+
+
+def read_revision_dir(
+    path: Path, expect_id: str | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(tensors, adapter_config, meta) of a revision directory, after checking the tensors hash to its id.
+
+    Raises a one-line MintError for a missing, partial or corrupt file, or a hash that differs from `expect_id`
+    (default: the id recorded in mint_revision.json).
+    """
+    path = Path(path)
+    for name in (ADAPTER_FILE, CONFIG_FILE, META_FILE):
+        if not (path / name).is_file():
+            raise MintError(f"{path}: not a complete revision ({name} is missing)")
+    try:
+        adapter_config = json.loads((path / CONFIG_FILE).read_text())
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise MintError(f"{path}: unreadable revision metadata ({_one_line(err)})") from None
+    try:
+        tensors = st_load_file(str(path / ADAPTER_FILE))
+    except Exception as err:  # safetensors raises its own error type for a truncated or garbled file
+        raise MintError(
+            f"{path / ADAPTER_FILE}: unreadable safetensors, partial or corrupt write ({_one_line(err)})"
+        ) from None
+    expected = expect_id or meta.get("id")
+    actual = revision_id(tensors)
+    if actual != expected:
+        raise MintError(
+            f"{path}: tensors hash to {actual[:12]}, not revision {str(expected)[:12]}; corrupt, refusing to load"
+        )
+    return tensors, adapter_config, meta
+
+
+# ---- base fingerprint -------------------------------------------------------------------------------------------
+
+
+def _safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """(data start offset, header) of a safetensors file, read without loading any tensor."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return 8 + size, header
+
+
+def _local_model_dir(spec: str) -> Path | None:
+    if os.path.isdir(spec):
+        return Path(spec)
+    try:  # a hub id that is already in the local cache; never downloads
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec, local_files_only=True))
+    except Exception:
+        return None
+
+
+_FINGERPRINTS: dict[tuple[str, float], str] = {}
+
+
+def base_fingerprint(spec: str) -> str:
+    """sha256 of the base's config.json (minus volatile keys) plus checksums of selected tensors.
+
+    The tensors are FINGERPRINT_TENSORS names evenly spaced over the sorted names of all *.safetensors files; each
+    contributes its name, dtype, shape and the sha256 of its first FINGERPRINT_BYTES bytes. A base that is not a local
+    directory or cached hub snapshot gets `unresolved:<sha256 of the spec>`, which never matches a real fingerprint.
+    """
+    directory = _local_model_dir(spec)
+    if directory is None or not (directory / "config.json").is_file():
+        return "unresolved:" + hashlib.sha256(spec.encode()).hexdigest()
+    key = (str(directory.resolve()), (directory / "config.json").stat().st_mtime)
+    if key in _FINGERPRINTS:
+        return _FINGERPRINTS[key]
+    config = json.loads((directory / "config.json").read_text())
+    for k in _VOLATILE_CONFIG_KEYS:
+        config.pop(k, None)
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    entries: dict[str, tuple[Path, int, dict]] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        start, header = _safetensors_header(file)
+        for name, info in header.items():
+            entries[name] = (file, start, info)
+    names = sorted(entries)
+    if names:
+        n = min(FINGERPRINT_TENSORS, len(names))
+        picked = sorted({names[round(i * (len(names) - 1) / max(n - 1, 1))] for i in range(n)})
+        for name in picked:
+            file, start, info = entries[name]
+            begin, end = info["data_offsets"]
+            with open(file, "rb") as f:
+                f.seek(start + begin)
+                digest = hashlib.sha256(f.read(min(end - begin, FINGERPRINT_BYTES))).hexdigest()
+            h.update(f"{name}|{info['dtype']}|{info['shape']}|{digest}|".encode())
+    _FINGERPRINTS[key] = h.hexdigest()
+    return _FINGERPRINTS[key]

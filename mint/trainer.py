@@ -3,8 +3,9 @@
     prompts -> RolloutActors (sample G, score rewards) -> group advantages -> LearnerActors (one optimizer step)
             -> publish the new adapter revision -> RolloutActors hot-load it -> log
 
-Weight sync *is* revision publish: the learner's LoRA tensors travel as safetensors bytes through the Ray object
-store, and every `save_every` steps they are also written to the run directory as a PEFT adapter directory.
+Weight sync *is* revision publish: each step's LoRA tensors become a revision in the catalog (<run>/catalog by
+default, with lineage and the step's rollout records), travel as safetensors bytes with their id through the Ray
+object store, and every `save_every` steps are also exported to <run>/adapters as a PEFT adapter directory.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from longstraw.trust import TrustCounts
+from mint.catalog import Catalog, catalog_dir
 from mint.config import Config, run_dir
 from mint.data import load_dataset
 from mint.grpo import group_advantages_batch, zero_variance_mask
 from mint.learner import GroupBatch, LearnerActor, MicroStep, StepPlan
 from mint.metrics import RunLogger
-from mint.revisions import from_bytes, revision_id, write_revision_dir
+from mint.revisions import from_bytes
 from mint.rollout_actor import GroupResult, RolloutActor
 from mint.tiny import resolve_model_path
 
@@ -95,13 +97,47 @@ def start_cluster(config: Config, model_path: str) -> Cluster:
     return Cluster(learners, rollouts, pg, started)
 
 
-def publish(cluster: Cluster, step: int, parent: str | None) -> Revision:
-    """Collect the learner's LoRA state (rank 0; collective under ZeRO-3) and hot-load it into every rollout actor."""
+def publish(
+    cluster: Cluster,
+    store: Catalog,
+    config: Config,
+    model_path: str,
+    adapter_config: dict,
+    step: int,
+    parent: Revision | None,
+    results: list[GroupResult] | None = None,
+    metrics: dict | None = None,
+) -> Revision:
+    """Publish the learner's LoRA state as a catalog revision and hot-load it into every rollout actor by id.
+
+    The step's rollout records (sampled with `parent`) are stored beside it. Weight sync *is* this publish: the
+    actors receive the id with the safetensors bytes and refuse bytes that do not hash to it. An update that left
+    the adapter unchanged (same id as the parent) publishes nothing new and returns the parent.
+    """
+    from mint.records import write_step
+    from mint.revisions import base_fingerprint
+
     data = ray.get([learner.lora_state_bytes.remote() for learner in cluster.learners])[0]
-    rev = Revision(revision_id(from_bytes(data)), step, data, parent)
+    tensors = from_bytes(data)
+    run = config.logging.name
+    if results and parent is not None:
+        write_step(store, run, step, parent.id, results, config.mint.rollout_records)
+    meta = store.put(  # returns the existing entry, writing nothing, for tensors already in the catalog
+        tensors,
+        adapter_config,
+        run=run,
+        step=step,
+        parent=parent.id if parent is not None else None,
+        recipe_hash=config.digest(),
+        base_model=config.model.path,
+        base_fingerprint=base_fingerprint(model_path),
+        metrics=metrics or {},
+    )
+    if parent is not None and meta.id == parent.id:
+        return parent
     ref = ray.put(data)
-    ray.get([actor.load_adapter.remote(rev.id, ref) for actor in cluster.rollouts])
-    return rev
+    ray.get([actor.load_adapter.remote(meta.id, ref) for actor in cluster.rollouts])
+    return Revision(meta.id, step, data, parent.id if parent is not None else None)
 
 
 def run_rollouts(cluster: Cluster, examples: list, seed: int) -> list[GroupResult]:
@@ -148,18 +184,17 @@ def to_batches(results: list[GroupResult], adv_B_G: torch.Tensor) -> list[GroupB
     ]
 
 
-def save_revision(config: Config, out: Path, rev: Revision, adapter_config: dict, metrics: dict) -> Path:
+def save_revision(config: Config, out: Path, store: Catalog, rev: Revision) -> Path:
+    """Export the revision as a PEFT adapter directory in <run>/adapters/step_NNNNNN (hard-linked to the catalog's
+    tensors where the filesystem allows), then apply retention: `mint.keep_last` revisions of this run keep their
+    tensors in the catalog (plus tagged and named ones; entries and lineage stay) and as adapter directories."""
+    from mint.export import export_peft
+
     target = out / "adapters" / f"step_{rev.step:06d}"
-    meta = dict(
-        parent=rev.parent,
-        step=rev.step,
-        run=config.logging.name,
-        recipe_hash=config.digest(),
-        base_model=config.model.path,
-        metrics=metrics,
-    )
-    write_revision_dir(target, from_bytes(rev.data), adapter_config, meta)
+    if not target.exists():
+        export_peft(store, rev.id, target, link=True)
     if config.mint.keep_last:
+        store.gc(config.mint.keep_last, run=config.logging.name)
         kept = sorted((out / "adapters").glob("step_*"))
         for old in kept[: -config.mint.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -215,19 +250,19 @@ def train(config: Config) -> dict:
     stream = dataset.batches(config.rollout.prompts_per_step, config.grpo.seed)
     cluster = start_cluster(config, model_path)
     logger = RunLogger(config, out)
+    store = Catalog(catalog_dir(config))
     try:
         adapter_config = ray.get(cluster.learners[0].adapter_config.remote(model_path))
-        rev = publish(cluster, 0, None)
+        rev = publish(cluster, store, config, model_path, adapter_config, 0, None)
         rewards_per_step: list[float] = []
         for step in range(1, config.grpo.steps + 1):
             t0 = time.time()
             results = run_rollouts(cluster, next(stream), config.grpo.seed + step)
             t_rollout = time.time() - t0
             batches, rewards_B_G = make_batches(config, results)
-            sums = {}
-            if batches:
-                sums = learn(cluster, batches)
-                rev = publish(cluster, step, rev.id)
+            sums = learn(cluster, batches) if batches else {}
+            step_metrics = dict(reward_mean=float(rewards_B_G.mean()), **sums)
+            rev = publish(cluster, store, config, model_path, adapter_config, step, rev, results, step_metrics)
             tokens = max(sums.get("tokens", 0.0), 1.0)
             gen_tokens = sum(len(c.tokens_R) for r in results for c in r.rollout.completions)
             step_s = time.time() - t0
@@ -253,12 +288,13 @@ def train(config: Config) -> dict:
                 **{k: v for k, v in sums.items() if k.startswith(("masked_", "trust_", "out_of_route", "mismatch"))},
             )
             if step % config.mint.save_every == 0 or step == config.grpo.steps:
-                save_revision(config, out, rev, adapter_config, {"reward_mean": metrics["reward_mean"]})
+                save_revision(config, out, store, rev)
             rewards_per_step.append(metrics["reward_mean"])
             logger.log(metrics)
         final_digests = ray.get([lr.param_digests.remote() for lr in cluster.learners])
     finally:
         logger.close()
+        store.close()
         cluster.close()
     summary = summarize(rewards_per_step, rev.id, time.time() - t_start)
     summary.update(

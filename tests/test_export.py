@@ -1,0 +1,139 @@
+"""Export: PEFT reproduces the training model's logits; the per-expert split is exact and uses the module names of the
+per-expert checkpoint layout (checked through transformers' own per-expert -> fused loader); merged only on request."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_random_tiny
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from mint.catalog import Catalog
+from mint.cli import main
+from mint.config import LoraConfig
+from mint.errors import MintError
+from mint.export import export, fuse_experts, lora_size, split_experts
+from mint.lora import adapter_config_dict, add_lora, load_lora_state, lora_state
+from mint.models import load_model
+from mint.revisions import ADAPTER_FILE, CONFIG_FILE, base_fingerprint
+
+X = torch.tensor([[3, 17, 42, 8, 91, 5, 60, 11, 29]])
+
+
+def _trained(base: str, seed: int = 1):
+    """The learner's model (base + LoRA built from the recipe) with non-zero LoRA weights, as after some steps."""
+    model = add_lora(load_model(base), LoraConfig(), seed=0)
+    g = torch.Generator().manual_seed(seed)
+    load_lora_state(model, {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in lora_state(model).items()})
+    return model
+
+
+def _publish(tmp_path: Path, base: str, model) -> tuple[Catalog, str]:
+    cat = Catalog(tmp_path / "catalog")
+    config = json.loads(json.dumps(adapter_config_dict(model, base)))
+    meta = cat.put(lora_state(model), config, run="t", step=1, base_model=base, base_fingerprint=base_fingerprint(base))
+    return cat, meta.id
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=X).logits
+
+
+def test_peft_export_loads_with_peft_and_gives_the_training_logits(random_tiny_path, tmp_path):
+    trained = _trained(random_tiny_path)
+    cat, rid = _publish(tmp_path, random_tiny_path, trained)
+    report = export(cat, rid[:10], tmp_path / "peft", "peft")
+    assert report["revision"] == rid and 0 < report["revision_bytes_over_merged"] < 1
+    assert not (tmp_path / "peft" / "model.safetensors").exists(), "peft export must never write a merged model"
+    loaded = PeftModel.from_pretrained(load_model(random_tiny_path), str(tmp_path / "peft"))
+    torch.testing.assert_close(_logits(loaded), _logits(trained), rtol=0, atol=0)
+    with pytest.raises(MintError, match="already exists"):
+        export(cat, rid, tmp_path / "peft", "peft")
+
+
+def _merge_per_expert_into_checkpoint(base: str, adapter_dir: Path, out: Path) -> None:
+    """Fold per-expert 2-D LoRA into the base checkpoint by key name alone: W[module] += scale * B @ A.
+
+    transformers saves Qwen-MoE experts per expert (`mlp.experts.{e}.gate_proj.weight`, the hub layout) and fuses
+    them on load, so a wrong name, expert index or gate/up order shows up as wrong logits.
+    """
+    config = json.loads((adapter_dir / CONFIG_FILE).read_text())
+    scale = config["lora_alpha"] / config["r"]
+    lora = load_file(str(adapter_dir / ADAPTER_FILE))
+    weights = load_file(str(Path(base) / "model.safetensors"))
+    modules = {k[: -len(".lora_A.weight")] for k in lora if k.endswith(".lora_A.weight")}
+    for module in modules:
+        key = module.removeprefix("base_model.model.") + ".weight"
+        assert key in weights, f"{key}: per-expert LoRA names a module the checkpoint does not have"
+        delta = lora[f"{module}.lora_B.weight"] @ lora[f"{module}.lora_A.weight"]
+        weights[key] = weights[key] + scale * delta
+    shutil.copytree(base, out)
+    save_file(weights, str(out / "model.safetensors"))
+
+
+def test_per_expert_split_is_exact_and_serves_the_same_model(random_tiny_path, tmp_path):
+    trained = _trained(random_tiny_path)
+    cat, rid = _publish(tmp_path, random_tiny_path, trained)
+    tensors, meta = cat.load(rid)
+    base_config = AutoConfig.from_pretrained(random_tiny_path)
+    split, config = split_experts(tensors, meta.lora_config, base_config)
+
+    E, layers = base_config.num_experts, base_config.num_hidden_layers
+    H, inter, r = base_config.hidden_size, base_config.moe_intermediate_size, meta.lora_config["r"]
+    expert_keys = [k for k in split if ".mlp.experts." in k]
+    assert len(expert_keys) == layers * E * 3 * 2 and not any(".base_layer." in k for k in split)
+    prefix = "base_model.model.model.layers.1.mlp.experts.3"
+    assert split[f"{prefix}.gate_proj.lora_A.weight"].shape == (r, H)
+    assert split[f"{prefix}.up_proj.lora_B.weight"].shape == (inter, r)
+    assert split[f"{prefix}.down_proj.lora_A.weight"].shape == (r, inter)
+    assert split[f"{prefix}.down_proj.lora_B.weight"].shape == (H, r)
+    assert config["target_parameters"] is None and {"gate_proj", "up_proj", "down_proj"} <= set(
+        config["target_modules"]
+    )
+
+    back = fuse_experts(split, meta.lora_config, base_config)  # recombining gives the very same bits
+    assert set(back) == set(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+    export(cat, rid, tmp_path / "per-expert", "per-expert")
+    _merge_per_expert_into_checkpoint(random_tiny_path, tmp_path / "per-expert", tmp_path / "merged-by-name")
+    served = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged-by-name"), dtype=torch.float32).eval()
+    torch.testing.assert_close(_logits(served), _logits(trained), rtol=1e-5, atol=1e-5)
+
+
+def test_merged_export_is_written_only_on_request(random_qwen3_path, tmp_path, capsys):
+    trained = _trained(random_qwen3_path)
+    cat, rid = _publish(tmp_path, random_qwen3_path, trained)
+    cat.close()
+    c = ["--catalog", str(tmp_path / "catalog")]
+    assert main(["export", rid[:8], *c, "--out", str(tmp_path / "default")]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "peft"
+    assert not (tmp_path / "default" / "model.safetensors").exists()
+    assert main(["export", rid[:8], *c, "--format", "merged", "--out", str(tmp_path / "merged")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bytes"] == report["merged_bytes"] and report["revision_bytes_over_merged"] < 1
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    torch.testing.assert_close(_logits(merged), _logits(trained), rtol=1e-5, atol=1e-5)
+
+
+def test_export_refuses_a_different_base(random_qwen3_path, tmp_path, capsys):
+    trained = _trained(random_qwen3_path)
+    cat, rid = _publish(tmp_path, random_qwen3_path, trained)
+    cat.close()
+    other = build_random_tiny("qwen3_moe", str(tmp_path / "other-base"), seed=7)
+    capsys.readouterr()  # drop the weight-loading progress bars
+    argv = ["export", rid, "--catalog", str(tmp_path / "catalog"), "--format", "per-expert"]
+    code = main([*argv, "--out", str(tmp_path / "x"), "--base", other])
+    err = capsys.readouterr().err
+    assert code == 1 and "wrong base" in err and err.count("\n") == 1 and not (tmp_path / "x").exists()
+
+
+def test_lora_size_from_a_meta_skeleton_counts_the_real_adapter(random_qwen3_path):
+    trained = _trained(random_qwen3_path)
+    sizes = lora_size(AutoConfig.from_pretrained(random_qwen3_path), 8, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert sizes["lora_params"] == sum(v.numel() for v in lora_state(trained).values())
+    assert sizes["base_params"] == sum(p.numel() for n, p in trained.named_parameters() if "lora_" not in n)
