@@ -131,21 +131,36 @@ class LearnerConfig:
     epochs: int = knob(
         1, "Passes over each step's rollouts (PPO epochs); above 1 the clip starts to matter.", min=1, max=16
     )
-    engine: str = knob("longstraw", "Inner step: longstraw (prompt captured once, responses replayed one at a time, "
-                       "memory bounded by the longest response) or naive (one padded full-sequence forward per "
-                       "group).", choices=("longstraw", "naive"))
+    engine: str = knob(
+        "longstraw",
+        "Inner step: longstraw (prompt captured once, responses replayed one at a time, "
+        "memory bounded by the longest response) or naive (one padded full-sequence forward per "
+        "group).",
+        choices=("longstraw", "naive"),
+    )
 
 
 @dataclass(frozen=True)
 class LongStrawConfig:
-    mode: str = knob("exact", "exact: the gradient equals full-sequence backprop; detached: the prompt's K/V are "
-                     "constants (response-only objective, no prompt backward); resident: detached with the prompt "
-                     "capture kept across steps for a recurring prompt (stale by design). See docs/longstraw.md.",
-                     choices=("exact", "detached", "resident"))
-    chunk_size: int = knob(1024, "Prompt positions per capture chunk (and per prompt-backward chunk in exact mode).",
-                           min=1)
-    max_prefix_age: int = knob(0, "resident: recapture a prompt once its capture has served this many steps; "
-                               "0 never recaptures.", min=0)
+    mode: str = knob(
+        "exact",
+        "exact: the gradient equals full-sequence backprop; detached: the prompt's K/V are "
+        "constants (response-only objective, no prompt backward); resident: detached with the prompt "
+        "capture kept across steps for a recurring prompt (stale by design). See docs/longstraw.md.",
+        choices=("exact", "detached", "resident"),
+    )
+    chunk_size: int = knob(
+        1024, "Prompt positions per capture chunk (and per prompt-backward chunk in exact mode).", min=1
+    )
+    max_prefix_age: int = knob(
+        0, "resident: recapture a prompt once its capture has served this many steps; 0 never recaptures.", min=0
+    )
+    kernels: str = knob(
+        "auto",
+        "Triton kernels in the replay (prefix attention, fused frozen-head logprob): auto "
+        "uses them on CUDA and plain torch on CPU; on / off force it.",
+        choices=("auto", "on", "off"),
+    )
 
 
 @dataclass(frozen=True)
@@ -313,8 +328,10 @@ def _field_names(section: str) -> set[str]:
 def check_consistency(config: Config) -> None:
     """Rules that involve more than one key."""
     if config.learner.engine == "longstraw" and config.learner.zero_stage == 3:
-        raise ConfigError("learner.engine: longstraw runs the model piecewise and needs whole weights on each rank; "
-                          "use learner.zero_stage <= 2 or learner.engine = naive")
+        raise ConfigError(
+            "learner.engine: longstraw runs the model piecewise and needs whole weights on each rank; "
+            "use learner.zero_stage <= 2 or learner.engine = naive"
+        )
     if config.ray.learner_gpus == 0 and config.model.dtype == "float16":
         raise ConfigError("model.dtype: float16 needs a GPU learner (ray.learner_gpus > 0); use float32 or bfloat16")
 
