@@ -10,6 +10,7 @@ object store, and every `save_every` steps are also exported to <run>/adapters a
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -97,6 +98,14 @@ def start_cluster(config: Config, model_path: str) -> Cluster:
     return Cluster(learners, rollouts, pg, started)
 
 
+@functools.lru_cache(maxsize=8)
+def _fingerprint(model_path: str) -> str:
+    """The base's fingerprint, read from its files once per run, not every step (up to 128 MiB of reads)."""
+    from mint.revisions import base_fingerprint
+
+    return base_fingerprint(model_path)
+
+
 def publish(
     cluster: Cluster,
     store: Catalog,
@@ -115,7 +124,6 @@ def publish(
     the adapter unchanged (same id as the parent) publishes nothing new and returns the parent.
     """
     from mint.records import write_step
-    from mint.revisions import base_fingerprint
 
     data = ray.get([learner.lora_state_bytes.remote() for learner in cluster.learners])[0]
     tensors = from_bytes(data)
@@ -130,7 +138,7 @@ def publish(
         parent=parent.id if parent is not None else None,
         recipe_hash=config.digest(),
         base_model=config.model.path,
-        base_fingerprint=base_fingerprint(model_path),
+        base_fingerprint=_fingerprint(model_path),
         metrics=metrics or {},
     )
     if parent is not None and meta.id == parent.id:
