@@ -37,6 +37,8 @@ format: setup
 bench: setup
 	$(BIN)/python bench/rollout_prefix.py
 	$(BIN)/python bench/r3_mismatch.py
+	$(BIN)/python -m pip install -q trl
+	$(BIN)/python bench/peer_trl.py
 
 # Needs CUDA (an H200 finishes it in under 5 minutes); prints a "skipped" JSON line without a GPU.
 bench-gpu: setup
