@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.mint-installed
 # A pinned CPU torch: an unpinned one pulls a multi-GB CUDA build. GPU clusters install their own CUDA torch first.
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup run test test-fast lint format bench bench-gpu docs clean
+.PHONY: setup run test test-fast lint format bench bench-long bench-gpu docs clean
 
 setup: $(STAMP)
 
@@ -37,8 +37,14 @@ format: setup
 bench: setup
 	$(BIN)/python bench/rollout_prefix.py
 	$(BIN)/python bench/r3_mismatch.py
+	$(BIN)/python bench/mint_catalog.py
+	$(BIN)/python bench/longstraw_memory.py --prompt-len 4096 --response-len 128 --flat-groups ""
 	$(BIN)/python -m pip install -q trl
 	$(BIN)/python bench/peer_trl.py
+
+# The issue-size LongStraw run (P=16384, G=8, R=256): about 15 minutes on 2 cores.
+bench-long: setup
+	$(BIN)/python bench/longstraw_memory.py
 
 # Needs CUDA (an H200 finishes it in under 5 minutes); prints a "skipped" JSON line without a GPU.
 bench-gpu: setup
