@@ -44,3 +44,36 @@ def random_qwen3_path(tmp_path_factory) -> str:
 def load_fp32(path: str) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.eval()
+
+
+def run_interp_tests_in_subprocess(test_file: str, min_passed: int) -> None:
+    """Re-run a kernel test file's `interp_` tests in a fresh interpreter with TRITON_INTERPRET=1.
+
+    The variable must be set before triton is first imported (even tl.sum is jitted at import), which an already
+    running pytest process cannot undo; so the Triton-under-interpreter tests run in a subprocess, and fail here if any
+    fails or fewer than `min_passed` ran.
+    """
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(Path(test_file).resolve()),
+        "-q",
+        "-k",
+        "interp_",
+        "-p",
+        "no:cacheprovider",
+    ]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    report = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, report
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) >= min_passed, report
+    assert "skipped" not in proc.stdout.splitlines()[-1], report

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_interp_tests_in_subprocess
 
 from longstraw.kernels import fused_logprob, fused_logprob_reference
 
@@ -125,25 +122,7 @@ def test_triton_kernels_under_interpreter():
     """Runs the interp_ tests above in a subprocess with TRITON_INTERPRET=1 (see the module docstring)."""
     if INTERPRETED:
         pytest.skip("already under the interpreter: the interp_ tests run directly")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        str(Path(__file__).resolve()),
-        "-q",
-        "-k",
-        "interp_",
-        "-p",
-        "no:cacheprovider",
-    ]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    report = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, report
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= len(CASES) + 1, report
-    assert "skipped" not in proc.stdout.splitlines()[-1], report
+    run_interp_tests_in_subprocess(__file__, min_passed=len(CASES) + 1)
 
 
 @pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
