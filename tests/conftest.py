@@ -46,6 +46,15 @@ def load_fp32(path: str) -> torch.nn.Module:
     return model.eval()
 
 
+def assert_three_way(kernel, ref_same, ref_fp32, atol, rtol):
+    """Kernel vs reference in the same dtype, and vs the fp32 reference, for every returned tensor."""
+    assert kernel.keys() == ref_same.keys() == ref_fp32.keys()
+    for name in kernel:
+        k, s, f = kernel[name].float(), ref_same[name].float(), ref_fp32[name].float()
+        torch.testing.assert_close(k, s, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n} vs same-dtype ref: {m}")
+        torch.testing.assert_close(k, f, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n} vs fp32 ref: {m}")
+
+
 def run_interp_tests_in_subprocess(test_file: str, min_passed: int) -> None:
     """Re-run a kernel test file's `interp_` tests in a fresh interpreter with TRITON_INTERPRET=1.
 

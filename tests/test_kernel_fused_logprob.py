@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from conftest import run_interp_tests_in_subprocess
+from conftest import assert_three_way, run_interp_tests_in_subprocess
 
 from longstraw.kernels import fused_logprob, fused_logprob_reference
 
@@ -63,15 +63,6 @@ def run(inputs, *, force, temperature, grads_from=("logprob", "entropy"), cast=N
     else:
         assert weight.grad is None
     return res
-
-
-def assert_three_way(kernel, ref_same, ref_fp32, atol, rtol):
-    """Kernel vs reference in the same dtype, and vs the fp32 reference, for every returned tensor."""
-    assert kernel.keys() == ref_same.keys() == ref_fp32.keys()
-    for name in kernel:
-        k, s, f = kernel[name].float(), ref_same[name].float(), ref_fp32[name].float()
-        torch.testing.assert_close(k, s, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n} vs same-dtype ref: {m}")
-        torch.testing.assert_close(k, f, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n} vs fp32 ref: {m}")
 
 
 # T=37 (odd, three 16-row tiles), H=48 (not a multiple of the 32-wide H step), V=1000 (not a multiple of the 64-wide

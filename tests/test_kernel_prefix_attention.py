@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from conftest import run_interp_tests_in_subprocess
+from conftest import assert_three_way, run_interp_tests_in_subprocess
 
 from longstraw.kernels import prefix_attention, prefix_attention_reference
 
@@ -69,15 +69,6 @@ def run(inputs, *, force, exact, acc_init=None, cast=None, seed=1):
     res.update({k: v for k, v in acc.items()})
     assert ins["k_prefix"].grad is None and ins["v_prefix"].grad is None  # prefix grads never reach autograd here
     return res
-
-
-def assert_three_way(kernel, ref_same, ref_fp32, atol, rtol):
-    """Kernel vs reference in the same dtype, and vs the fp32 reference, for every returned tensor."""
-    assert kernel.keys() == ref_same.keys() == ref_fp32.keys()
-    for name in kernel:
-        k, s, f = kernel[name].float(), ref_same[name].float(), ref_fp32[name].float()
-        torch.testing.assert_close(k, s, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n} vs same-dtype ref: {m}")
-        torch.testing.assert_close(k, f, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n} vs fp32 ref: {m}")
 
 
 # Odd shapes from the issue: P=37, R=13, D in {16, 32, 64}, GQA 4:1 and 1:1; plus a multi-tile response (R=40 spans
