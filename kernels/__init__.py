@@ -1,18 +1,23 @@
 """Triton kernels for LongStraw, installed as `longstraw.kernels` (never as a top-level `kernels`).
 
-Each kernel is one file holding the Triton kernel(s), the launcher, the autograd.Function and a plain-torch
-`*_reference` that is also the CPU path. Imports here are torch and triton only. Callers use the functions below;
-nothing outside this package calls `Function.apply` or imports triton.
+Each kernel has Triton kernels, launchers, an autograd.Function and a plain-torch `*_reference` that is also the CPU
+path: one implementation per op on CPU, memory-lean (nothing of size P or T x V saved for backward), and the one the
+Triton kernels are tested against. The files are split by job to stay under ~450 lines each: prefix_attention.py (API,
+launchers, Function), _prefix_attention_triton.py (@triton.jit kernels), _prefix_attention_reference.py;
+fused_logprob.py (API, launchers, Function, kernels), _fused_logprob_reference.py. Imports here are torch and triton
+only. Callers use the functions below; nothing outside this package calls `Function.apply` or imports triton.
 
     prefix_attention(q, k_prefix, v_prefix, k_resp, v_resp, scale=None, *, dk_prefix_acc=None,
                      dv_prefix_acc=None, return_lse=False, force=None) -> out (, lse)
-        q [B?, H_q, R, D]; prefix K/V [H_kv, P, D] or [B, H_kv, P, D]; response K/V [B?, H_kv, R, D].
-        Response queries over the prefix, then causal over the response; never concatenates K/V. Prefix dK/dV are
-        added into the fp32 buffers when given (exact mode) and skipped otherwise (detached mode).
+        q [B?, H_q, R, D]; prefix K/V [H_kv, P, D] or [B, H_kv, P, D], P >= 0; response K/V [B?, H_kv, R, D]; any
+        strides. Response queries over the prefix, then causal over the response; never concatenates K/V. Prefix
+        dK/dV are added into the fp32 buffers when given (exact mode; views of a larger buffer are fine) and skipped
+        otherwise (detached mode). The CPU path saves nothing of size P for backward.
 
-    fused_logprob(hidden, weight, targets, temperature=1.0, *, force=None) -> (logprob, entropy)
+    fused_logprob(hidden, weight, targets, temperature=1.0, *, ignore_index=-100, force=None) -> (logprob, entropy)
         hidden [T, H]; weight [V, H]; targets [T] -> fp32 [T], [T]. Never materializes [T, V] logits; no weight
-        gradient unless weight.requires_grad.
+        gradient unless weight.requires_grad. targets == ignore_index give 0 and no gradient; other targets outside
+        [0, V) raise ValueError.
 
 Dispatch: CUDA tensors -> Triton, CPU tensors -> reference; force="triton" | "reference" overrides. See
 docs/kernels.md for the math, the tiling and how to test and benchmark.

@@ -21,15 +21,28 @@ Backward, with upstream gradients a_t (logprob) and b_t (entropy), p = softmax(z
 The backward walks T in chunks of C rows. A Triton kernel recomputes the logit tile, turns it into dlogits in the same
 pass, and writes a [C, V] buffer (C sized so the buffer stays near 256 MB), which two cuBLAS matmuls consume. dWeight
 (and its [V, H] fp32 buffer) exists only when weight.requires_grad; a frozen head gets dHidden alone.
+
+Ignored targets (targets == ignore_index, -100 by default) have one meaning on both paths: logprob 0, entropy 0, and
+no gradient into hidden or weight. Any other target outside [0, V) is a ValueError (one host sync for the check).
+
+Files: this one holds the Triton kernels, launchers, autograd.Function and public API; _fused_logprob_reference.py
+the blocked plain-torch version (the CPU path), which saves O(T) for backward and recomputes logits block by block.
+
+Indexing is int64: program ids and row/column offsets are cast before they meet a stride. T x V at 32k x 151,936 is
+5.0e9 elements, past int32's 2.1e9; no tensor here is [T, V], but the [V, H] weight is 6.2e8 at H = 4096 and a strided
+view or a larger C or H would wrap int32 offsets silently.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.utils.checkpoint
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
+
+from longstraw.kernels._fused_logprob_reference import check_targets, fused_logprob_reference
+
+__all__ = ["fused_logprob", "fused_logprob_reference"]
 
 # Cap on the backward's [C, V] dlogits scratch (hidden dtype). At V=151,936 in bf16 that is C = 768 rows (883 rounded
 # down to the 128-row tile): enough rows for the chunk's matmuls to run at full cuBLAS efficiency, and 2.3% of the
@@ -46,17 +59,19 @@ BWD_BUFFER_BYTES = 256 * 2**20
 def _fused_logprob_fwd_kernel(
     X, W, TGT, M_OUT, S_OUT, U_OUT, ZT_OUT,
     sx_t, sx_h, sw_v, sw_h,
-    T, V, H, inv_temp, V_PER_SPLIT,
+    T, V, H, inv_temp, V_PER_SPLIT, IGNORE_INDEX,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # grid: (cdiv(T, BLOCK_T), n_splits). One program: BLOCK_T rows over the V range [v_lo, v_lo + V_PER_SPLIT).
-    # Writes partial (m, s, u, z_target) to [n_splits, T] fp32 buffers; z_target is 0 where the target is elsewhere.
-    pid_t = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    # Writes partial (m, s, u, z_target) to [n_splits, T] fp32 buffers; z_target is 0 where the target is elsewhere
+    # and for ignored rows (their target reads as -1, which matches no column, even when IGNORE_INDEX is in [0, V)).
+    pid_t = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1).to(tl.int64)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
     mask_t = offs_t < T
-    tgt = tl.load(TGT + offs_t, mask=mask_t, other=-1)
+    tgt = tl.load(TGT + offs_t, mask=mask_t, other=IGNORE_INDEX)
+    tgt = tl.where(tgt == IGNORE_INDEX, -1, tgt)
 
     m_i = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
     s_i = tl.zeros([BLOCK_T], dtype=tl.float32)
@@ -101,19 +116,21 @@ def _fused_logprob_fwd_kernel(
 def _fused_logprob_bwd_dlogits_kernel(
     X, W, TGT, LSE, ENT, G_LP, G_ENT, DZ,
     sx_t, sx_h, sw_v, sw_h, sdz_t, sdz_v,
-    T, V, H, inv_temp,
+    T, V, H, inv_temp, IGNORE_INDEX,
     HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # grid: (cdiv(T, BLOCK_T), cdiv(V, BLOCK_V)). Recomputes one logit tile and writes dlogits for it:
-    # dlogits = (a (1[v = target] - p) - b p (log p + H)) / temperature.
-    pid_t = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    # dlogits = (a (1[v = target] - p) - b p (log p + H)) / temperature; 0 on the rows of ignored targets.
+    pid_t = tl.program_id(0).to(tl.int64)
+    pid_v = tl.program_id(1).to(tl.int64)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = tl.arange(0, BLOCK_H).to(tl.int64)
     mask_t = offs_t < T
     mask_v = offs_v < V
+    tgt = tl.load(TGT + offs_t, mask=mask_t, other=IGNORE_INDEX)
+    keep = tgt != IGNORE_INDEX
 
     acc = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
     for start_h in range(0, H, BLOCK_H):
@@ -127,14 +144,14 @@ def _fused_logprob_bwd_dlogits_kernel(
     dz = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
     if HAS_G_LP:
         a = tl.load(G_LP + offs_t, mask=mask_t, other=0.0)
-        tgt = tl.load(TGT + offs_t, mask=mask_t, other=-1)
         onehot = tl.where(offs_v[None, :] == tgt[:, None], 1.0, 0.0)
         dz += a[:, None] * (onehot - p)
     if HAS_G_ENT:
         b = tl.load(G_ENT + offs_t, mask=mask_t, other=0.0)
         ent = tl.load(ENT + offs_t, mask=mask_t, other=0.0)
         dz -= b[:, None] * p * (logp + ent[:, None])
-    dz = dz * inv_temp
+    # where, not a multiply: p of an ignored row may overflow, and inf * 0 would be nan.
+    dz = tl.where(keep[:, None], dz * inv_temp, 0.0)
     tl.store(
         DZ + offs_t[:, None] * sdz_t + offs_v[None, :] * sdz_v,
         dz.to(DZ.dtype.element_ty),
@@ -177,8 +194,8 @@ def _n_splits(T: int, V: int, cfg: dict, device: torch.device) -> int:
     return max(1, min(want, n_v_tiles, 64))
 
 
-def _forward(x_T_H: torch.Tensor, w_V_H: torch.Tensor, tgt_T: torch.Tensor, temperature: float):
-    """Returns logprob [T], entropy [T], lse [T], all fp32."""
+def _forward(x_T_H: torch.Tensor, w_V_H: torch.Tensor, tgt_T: torch.Tensor, temperature: float, ignore_index: int):
+    """Returns logprob [T], entropy [T] (both 0 on ignored rows), lse [T], all fp32."""
     T, H = x_T_H.shape
     V = w_V_H.shape[0]
     cfg = _config(x_T_H.device)
@@ -190,7 +207,7 @@ def _forward(x_T_H: torch.Tensor, w_V_H: torch.Tensor, tgt_T: torch.Tensor, temp
     _fused_logprob_fwd_kernel[(triton.cdiv(T, cfg["BLOCK_T"]), splits)](
         x_T_H, w_V_H, tgt_T, m_S_T, s_S_T, u_S_T, zt_S_T,
         *x_T_H.stride(), *w_V_H.stride(),
-        T, V, H, 1.0 / temperature, v_per_split,
+        T, V, H, 1.0 / temperature, v_per_split, ignore_index,
         PRECISION=_precision(x_T_H.dtype), **cfg,
     )  # fmt: skip
     # Merge the splits: rescale each split's (s, u) to the global max.
@@ -199,12 +216,13 @@ def _forward(x_T_H: torch.Tensor, w_V_H: torch.Tensor, tgt_T: torch.Tensor, temp
     s_T = (s_S_T * alpha_S_T).sum(0)
     u_T = (alpha_S_T * (u_S_T + s_S_T * (m_S_T - m_T))).sum(0)
     lse_T = m_T + torch.log(s_T)
-    logprob_T = zt_S_T.sum(0) - lse_T
-    entropy_T = torch.log(s_T) - u_T / s_T
+    keep_T = tgt_T != ignore_index
+    logprob_T = torch.where(keep_T, zt_S_T.sum(0) - lse_T, 0.0)
+    entropy_T = torch.where(keep_T, torch.log(s_T) - u_T / s_T, 0.0)
     return logprob_T, entropy_T, lse_T
 
 
-def _backward(x_T_H, w_V_H, tgt_T, lse_T, ent_T, g_lp_T, g_ent_T, temperature, need_dx, need_dw):
+def _backward(x_T_H, w_V_H, tgt_T, lse_T, ent_T, g_lp_T, g_ent_T, temperature, ignore_index, need_dx, need_dw):
     """Returns (dHidden or None, dWeight or None), walking T in chunks of C rows through a [C, V] dlogits buffer."""
     T, H = x_T_H.shape
     V = w_V_H.shape[0]
@@ -213,7 +231,8 @@ def _backward(x_T_H, w_V_H, tgt_T, lse_T, ent_T, g_lp_T, g_ent_T, temperature, n
     rows = max(bt, BWD_BUFFER_BYTES // (V * x_T_H.element_size()) // bt * bt)
     rows = min(rows, triton.cdiv(T, bt) * bt)
     dz_C_V = torch.empty((rows, V), device=x_T_H.device, dtype=x_T_H.dtype)
-    dx_T_H = torch.empty_like(x_T_H) if need_dx else None
+    # Contiguous whatever hidden's strides are, so each chunk's rows are a dense `out=` for torch.mm.
+    dx_T_H = torch.empty(x_T_H.shape, device=x_T_H.device, dtype=x_T_H.dtype) if need_dx else None
     # fp32 accumulation across chunks; a bf16 running sum would round at every chunk.
     dw_V_H = torch.zeros(w_V_H.shape, device=w_V_H.device, dtype=torch.float32) if need_dw else None
     _check_launchable(_fused_logprob_bwd_dlogits_kernel, x_T_H.device)
@@ -228,7 +247,7 @@ def _backward(x_T_H, w_V_H, tgt_T, lse_T, ent_T, g_lp_T, g_ent_T, temperature, n
             g_ent_T[c0 : c0 + n] if g_ent_T is not None else dummy,
             dz,
             *x_C_H.stride(), *w_V_H.stride(), *dz.stride(),
-            n, V, H, 1.0 / temperature,
+            n, V, H, 1.0 / temperature, ignore_index,
             HAS_G_LP=g_lp_T is not None, HAS_G_ENT=g_ent_T is not None,
             PRECISION=_precision(x_T_H.dtype), **cfg,
         )  # fmt: skip
@@ -246,10 +265,10 @@ class FusedLogprobFunction(torch.autograd.Function):
     """autograd wrapper of the Triton kernels; see fused_logprob for the contract."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature):
-        logprob, entropy, lse = _forward(hidden, weight, targets, temperature)
+    def forward(ctx, hidden, weight, targets, temperature, ignore_index):
+        logprob, entropy, lse = _forward(hidden, weight, targets, temperature, ignore_index)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.ignore_index = temperature, ignore_index
         ctx.set_materialize_grads(False)
         return logprob, entropy
 
@@ -258,58 +277,15 @@ class FusedLogprobFunction(torch.autograd.Function):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g_logprob is None and g_entropy is None) or not (need_dx or need_dw):
-            return None, None, None, None
+            return None, None, None, None, None
+        # [T] vectors are made contiguous (a copy of T floats at most); hidden and weight are read through strides.
         dx, dw = _backward(
             hidden, weight, targets, lse, entropy,
             None if g_logprob is None else g_logprob.float().contiguous(),
             None if g_entropy is None else g_entropy.float().contiguous(),
-            ctx.temperature, need_dx, need_dw,
+            ctx.temperature, ctx.ignore_index, need_dx, need_dw,
         )  # fmt: skip
-        return dx, dw, None, None
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Reference (also the CPU path)
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def _logprob_entropy_chunk(x_C_H, w_V_H, tgt_C, temperature):
-    logits_C_V = (x_C_H @ w_V_H.t()).to(torch.promote_types(x_C_H.dtype, torch.float32)) / temperature
-    logp_C_V = torch.log_softmax(logits_C_V, dim=-1)
-    logprob_C = logp_C_V.gather(-1, tgt_C.unsqueeze(-1)).squeeze(-1)
-    entropy_C = -(logp_C_V.exp() * logp_C_V).sum(-1)
-    return logprob_C, entropy_C
-
-
-def fused_logprob_reference(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float = 1.0,
-    *,
-    chunk_rows: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch (logprob [T], entropy [T]) of softmax(hidden @ weight.T / temperature), with autograd.
-
-    Walks T in chunks of chunk_rows (default: about 64 MB of fp32 logits per chunk) under activation checkpointing,
-    so neither the forward nor the saved state for backward ever holds more than one chunk of [chunk, V] logits.
-    The matmul runs in the input dtype; log-softmax runs in fp32 (fp64 for fp64 inputs).
-    """
-    n_rows = hidden.shape[0]
-    V = weight.shape[0]
-    if chunk_rows is None:
-        chunk_rows = max(1, (64 * 2**20) // (4 * V))
-    needs_graph = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    logprobs, entropies = [], []
-    for c0 in range(0, n_rows, chunk_rows):
-        args = (hidden[c0 : c0 + chunk_rows], weight, targets[c0 : c0 + chunk_rows], temperature)
-        if needs_graph and n_rows > chunk_rows:
-            lp, ent = torch.utils.checkpoint.checkpoint(_logprob_entropy_chunk, *args, use_reentrant=False)
-        else:
-            lp, ent = _logprob_entropy_chunk(*args)
-        logprobs.append(lp)
-        entropies.append(ent)
-    return torch.cat(logprobs), torch.cat(entropies)
+        return dx, dw, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -323,15 +299,20 @@ def fused_logprob(
     targets: torch.Tensor,
     temperature: float = 1.0,
     *,
+    ignore_index: int = -100,
     force: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of the targets and entropy of softmax(hidden @ weight.T / temperature), without [T, V] logits.
 
     Shapes:
-        hidden   [T, H]   (the final hidden states, after the model's last norm)
-        weight   [V, H]   (the LM head)
-        targets  [T]      int64 in [0, V)
+        hidden   [T, H]   (the final hidden states, after the model's last norm; any strides)
+        weight   [V, H]   (the LM head; any strides)
+        targets  [T]      integers in [0, V), or ignore_index
         returns  logprob [T], entropy [T], both fp32 (fp64 for fp64 inputs on the reference path)
+
+    ignore_index (default -100, as in torch's cross_entropy): rows whose target equals it give logprob 0 and entropy 0
+    and send no gradient to hidden or weight, on both paths. Any other target outside [0, V) raises ValueError on both
+    paths; the bounds check costs one host sync per call.
 
     Gradients flow from both outputs into hidden; into weight only when weight.requires_grad (a frozen head allocates
     no [V, H] buffer at all).
@@ -348,11 +329,14 @@ def fused_logprob(
     if force not in (None, "triton", "reference"):
         raise ValueError(f"force must be None, 'triton' or 'reference', got {force!r}")
     use_triton = hidden.is_cuda if force is None else force == "triton"
-    if not use_triton:
-        return fused_logprob_reference(hidden, weight, targets, temperature)
+    if not use_triton:  # the reference checks the targets itself
+        return fused_logprob_reference(hidden, weight, targets, temperature, ignore_index=ignore_index)
+    check_targets(targets, weight.shape[0], ignore_index)
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty.clone()
     if weight.dtype != hidden.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype on the Triton path")
-    return FusedLogprobFunction.apply(hidden, weight, targets.long().contiguous(), float(temperature))
+    return FusedLogprobFunction.apply(
+        hidden, weight, targets.long().contiguous(), float(temperature), int(ignore_index)
+    )
