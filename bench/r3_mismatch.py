@@ -27,11 +27,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from longstraw.routing import RouteReplay, find_routers
+from longstraw.routing import RouteReplay, find_routers, route_status
 from longstraw.scoring import token_logprobs
-from longstraw.trust import ExpertLayout, icepop_status, route_status
-from mint.models import moe_layout, tiny_config
-from mint.rollout import RolloutEngine, SamplingParams
+from longstraw.trust import icepop_status
+from mint.models.specs import moe_layout, tiny_config
+from mint.rollout.engine import RolloutEngine, SamplingParams
 
 
 def build(path: str, init_std: float, seed: int) -> None:
@@ -111,8 +111,7 @@ def main() -> None:
     else:
         rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         add_router_noise(rollout, args.noise, args.seed)
-    moe = moe_layout(learner.config)
-    layout = ExpertLayout(moe.num_layers, moe.num_experts, moe.top_k)
+    layout = moe_layout(learner.config)
 
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(3, 512, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
@@ -145,9 +144,9 @@ def main() -> None:
         "rollout": args.rollout if args.rollout == "bf16" else f"fp32+router_noise_{args.noise}",
         "learner": "fp32",
         "init_std": args.init_std,
-        "layers": moe.num_layers,
-        "experts": moe.num_experts,
-        "top_k": moe.top_k,
+        "layers": layout.num_layers,
+        "experts": layout.num_experts,
+        "top_k": layout.top_k,
         "tokens": tokens,
         "out_of_route_no_r3": round(oor_native / tokens, 6),
         "out_of_route_with_r3_replayed": oor_replayed / max(mappable, 1),
@@ -155,7 +154,7 @@ def main() -> None:
         "kl_with_r3": kl_with / tokens,
         "kl_ratio": round(kl_with / kl_no, 4) if kl_no > 0 else None,
         "icepop_masked_fraction": masked / tokens,
-        "route_bytes_per_token": moe.num_layers * moe.top_k * torch.empty((), dtype=moe.route_dtype).element_size(),
+        "route_bytes_per_token": layout.num_layers * layout.top_k * layout.route_dtype.itemsize,
         "seconds": round(time.time() - start, 1),
     }
     print(json.dumps(result))

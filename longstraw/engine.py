@@ -37,12 +37,15 @@ MODES = ("detached", "exact", "resident")
 
 # objective(i, logp_R, ref_logp_R) -> (loss of response i, float stats to sum over the group)
 Objective = Callable[[int, torch.Tensor, "torch.Tensor | None"], "tuple[torch.Tensor, dict[str, float]]"]
-# backward(scalar, last): run backward on a scalar; `last` is true for the update's final backward. A training
-# framework that owns backward (DeepSpeed's engine.backward and its accumulation boundary) plugs in here.
-Backward = Callable[[torch.Tensor, bool], None]
+# backward(scalar, last, carries_scale): run backward on a scalar; `last` is true for the update's final backward. A
+# training framework that owns backward (DeepSpeed's engine.backward and its accumulation boundary) plugs in here.
+# carries_scale is true for exact mode's prompt surrogates <out, g>: g was accumulated from earlier backward calls,
+# so it already carries any factor the framework multiplies every loss by (fp16 loss scaling), and the framework must
+# not apply that factor a second time.
+Backward = Callable[[torch.Tensor, bool, bool], None]
 
 
-def _plain_backward(loss: torch.Tensor, last: bool) -> None:
+def _plain_backward(loss: torch.Tensor, last: bool, carries_scale: bool = False) -> None:
     loss.backward()
 
 
@@ -60,7 +63,7 @@ class UpdateSpec:
     )
     kernels: str = field(
         default="auto",
-        metadata={"help": "auto: Triton kernels (longstraw.kernels) on CUDA, plain torch on CPU; on; off."},
+        metadata={"help": "auto: Triton on CUDA, the kernels' torch reference on CPU; on: Triton; off: reference."},
     )
 
     def __post_init__(self):
@@ -276,7 +279,7 @@ def _replay(adapter, model, tokens_P, responses, objective, spec, state, grad, r
         if meter is not None:
             graph_bytes = max(graph_bytes, meter.nbytes)
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            backward(loss, grad is None and i == len(responses) - 1)
+            backward(loss, grad is None and i == len(responses) - 1, False)
         loss_sum += float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         for key, value in stats.items():
             stats_sum[key] = stats_sum.get(key, 0.0) + float(value)

@@ -12,12 +12,18 @@ _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
 
 
-def _status_kib(field: str) -> int:
+def _status_kib(*fields: str) -> tuple[int, ...]:
+    """The named fields of /proc/self/status in KiB, read in one pass (so VmHWM and VmRSS are from the same moment)."""
+    found: dict[str, int] = {}
     with open(_STATUS) as f:
         for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise OSError(f"{field} not in {_STATUS}")
+            name = line.split(":", 1)[0]
+            if name in fields:
+                found[name] = int(line.split()[1])
+    missing = [x for x in fields if x not in found]
+    if missing:
+        raise OSError(f"{', '.join(missing)} not in {_STATUS}")
+    return tuple(found[x] for x in fields)
 
 
 class PeakMeter:
@@ -25,37 +31,56 @@ class PeakMeter:
 
     CPU: VmHWM (peak RSS) after resetting it through /proc/self/clear_refs ("5", Linux >= 4.0), minus VmRSS at
     start. RSS counts what the allocator holds from the OS, so freed-but-cached heap pages count as used; the
-    benchmark runs each configuration in a fresh process for that reason. Where the reset is not allowed the
-    process-lifetime peak (ru_maxrss) is used and `resettable` is False.
-    CUDA: torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus memory_allocated at start.
+    benchmark runs each configuration in a fresh process for that reason. The reset is process-wide: a nested
+    meter's start() (grpo_update starts one) clears the outer meter's record too, which is harmless only while the
+    level between the two starts stays at the outer baseline.
+    Whether the reset worked is checked, not assumed: `start()` reads VmHWM before and after writing, and counts the
+    reset as working when VmHWM dropped, or when it equals VmRSS right after (then no earlier, higher peak is
+    hidden in it). Where the write is refused or VmHWM keeps an earlier, higher value, `reset_worked` and
+    `resettable` are False and `peak()` is the process-lifetime peak (ru_maxrss) above the baseline: an upper bound
+    on the interval's peak, not the interval's peak.
+    CUDA: torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus memory_allocated at start; the reset
+    always works there.
     """
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.baseline = 0
-        self.resettable = True
+        self.resettable = True  # False once any start() found the reset not working
+        self.reset_worked: bool | None = None  # the last start()'s finding; None before start()
 
     def start(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.baseline = torch.cuda.memory_allocated(self.device)
+            self.reset_worked = True
             return
+        (hwm_before,) = _status_kib("VmHWM")
         try:
             with open(_CLEAR_REFS, "w") as f:
                 f.write("5")
+            written = True
         except OSError:
-            self.resettable = False
-        self.baseline = _status_kib("VmRSS") * 1024
+            written = False
+        hwm_after, rss = _status_kib("VmHWM", "VmRSS")
+        self.reset_worked = written and (hwm_after < hwm_before or hwm_after <= rss)
+        self.resettable = self.resettable and self.reset_worked
+        self.baseline = rss * 1024
 
     def peak(self) -> int:
-        """Bytes of the peak since start() above the baseline."""
+        """Bytes of the peak since start() above the baseline (the process-lifetime peak if the reset failed)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device) - self.baseline
-        if self.resettable:
-            return _status_kib("VmHWM") * 1024 - self.baseline
+        if self.reset_worked:
+            return _status_kib("VmHWM")[0] * 1024 - self.baseline
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.baseline
+
+    def report(self) -> dict:
+        """JSON-ready: `peak_meter_reset` (did the last start() reset the peak), `peak_scope` (what peak() covers)."""
+        scope = "since start()" if self.reset_worked else "process lifetime (peak reset did not work)"
+        return {"peak_meter_reset": self.reset_worked, "peak_scope": scope}
 
 
 class GraphMeter:

@@ -25,6 +25,8 @@ from torch import nn
 
 from longstraw.errors import LongStrawError
 
+ROUTE_REASONS = ("route_missing", "route_layers", "route_layout", "route_out_of_range", "route_duplicate")
+
 # Matched case-insensitively against the class name: transformers spells both "TopKRouter" and "TopkRouter".
 _ROUTER_CLASS_SUFFIX = "topkrouter"
 
@@ -225,3 +227,129 @@ class SequenceRoutes:
         if start + n > len(routes):
             raise LongStrawError(f"routes cover {len(routes)} positions, a forward asked for {start}..{start + n - 1}")
         return routes[start : start + n], ok[start : start + n]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """A model's routed experts: what route recording, replay and the route checks need to know. One type for the
+    whole tree (mint.models.specs.moe_layout builds it from a config)."""
+
+    num_layers: int  # MoE layers, in model order
+    num_experts: int
+    top_k: int
+
+    @property
+    def route_dtype(self) -> torch.dtype:
+        """uint8 ids while they fit (<= 256 experts), else int16: routes are [R, L, k] per response."""
+        return torch.uint8 if self.num_experts <= 256 else torch.int16
+
+
+def route_status(
+    routes_N_L_K: torch.Tensor | None, num_tokens: int, layout: ExpertLayout, recorded_experts: int | None = None
+) -> torch.Tensor:
+    """Per-token route status: 0 = mappable, else 1 + index into ROUTE_REASONS. Returns int64 [num_tokens].
+
+    routes_N_L_K: the recorded ids for the N positions the learner replays (or None); recorded_experts: the expert
+    count the rollout engine declared, when it did. Never raises on a bad payload: bad payloads are counted.
+    """
+    status_N = torch.zeros(num_tokens, dtype=torch.long)
+    code = {reason: i + 1 for i, reason in enumerate(ROUTE_REASONS)}
+    if routes_N_L_K is None or routes_N_L_K.dim() != 3 or routes_N_L_K.shape[0] != num_tokens:
+        return status_N.fill_(code["route_missing"])
+    if routes_N_L_K.shape[1] != layout.num_layers:
+        return status_N.fill_(code["route_layers"])
+    integer = not (routes_N_L_K.is_floating_point() or routes_N_L_K.is_complex() or routes_N_L_K.dtype == torch.bool)
+    if (
+        routes_N_L_K.shape[2] != layout.top_k
+        or not integer
+        or (recorded_experts is not None and recorded_experts != layout.num_experts)
+    ):
+        return status_N.fill_(code["route_layout"])
+    ids = routes_N_L_K.long()
+    out_of_range_N = ((ids < 0) | (ids >= layout.num_experts)).flatten(1).any(1)
+    sorted_ids = ids.sort(dim=-1).values
+    duplicate_N = (sorted_ids[..., 1:] == sorted_ids[..., :-1]).flatten(1).any(1)
+    status_N[duplicate_N] = code["route_duplicate"]
+    status_N[out_of_range_N] = code["route_out_of_range"]
+    return status_N
+
+
+@dataclass
+class GroupRoutes:
+    """R3 bookkeeping for one prompt and its G responses: which positions replay which recorded route.
+
+    Positions are absolute. The prompt has P tokens; the rollout recorded routes for prompt positions 0..P-2
+    (`prompt_routes_P1_L_K`) and, per response, one row per generated token (row j = the forward at position P-1+j
+    that produced token j). A response's sequence is prompt + response[:-1], so it has P-1+R_i positions.
+
+    Two views of the same routes:
+      padded()      the naive step's one [G, S] batch (S = P + R_max - 1, rows right-padded), flattened to [G*S]
+      sequence()    LongStraw's piecewise forwards: prompt rows once, then response i's rows by position
+    status_G gives every response token's route status (0 = mappable, see ROUTE_REASONS); a token whose status is
+    not 0 keeps native routing and is excluded by the trust mask.
+    """
+
+    status_G: list[torch.Tensor]  # G x int64 [R_i]
+    routes_G_S_L_K: torch.Tensor  # int64; rows with ok False are zeros
+    ok_G_S: torch.Tensor  # bool: position replays its recorded route
+    num_prompt: int
+    lengths: list[int]
+
+    @classmethod
+    def build(
+        cls,
+        prompt_routes_P1_L_K: torch.Tensor | None,
+        routes_G: list[torch.Tensor | None] | None,
+        num_prompt: int,
+        lengths: list[int],
+        layout: ExpertLayout,
+        replay: bool,
+    ) -> GroupRoutes:
+        """Check each response's record against `layout` and lay the usable ones out by position.
+
+        replay=False (R3 off) still computes the statuses (for the out-of-route measurement) but marks nothing ok,
+        so every router runs natively. A payload that does not even concatenate counts as missing, never a crash.
+        """
+        seq_len = num_prompt + max(lengths) - 1
+        routes_G_S_L_K = torch.zeros(len(lengths), seq_len, layout.num_layers, layout.top_k, dtype=torch.long)
+        ok_G_S = torch.zeros(len(lengths), seq_len, dtype=torch.bool)
+        statuses = []
+        for i, n in enumerate(lengths):
+            recorded = routes_G[i] if routes_G is not None else None
+            full = None
+            if prompt_routes_P1_L_K is not None and recorded is not None:
+                try:
+                    full = torch.cat([prompt_routes_P1_L_K, recorded])
+                except (RuntimeError, TypeError):
+                    full = None
+            status_S = route_status(full, num_prompt - 1 + n, layout)
+            statuses.append(status_S[num_prompt - 1 :])
+            if replay and full is not None:
+                ok = status_S == 0
+                routes_G_S_L_K[i, : len(ok)][ok] = full[ok].long()
+                ok_G_S[i, : len(ok)] = ok
+        return cls(statuses, routes_G_S_L_K, ok_G_S, num_prompt, list(lengths))
+
+    @property
+    def seq_len(self) -> int:
+        return self.routes_G_S_L_K.shape[1]
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routes_T_L_K, ok_T) for the padded [G, S] batch flattened row-major, as RouteReplay.set takes them."""
+        return self.routes_G_S_L_K.flatten(0, 1), self.ok_G_S.flatten()
+
+    def response_rows(self, rows_T_L_K: torch.Tensor, i: int) -> torch.Tensor:
+        """Response i's producing positions (P-1 .. P+R_i-2) out of a padded [G*S] flattening (e.g. native routes)."""
+        first = i * self.seq_len + self.num_prompt - 1
+        return rows_T_L_K[first : first + self.lengths[i]]
+
+    def sequence(self) -> SequenceRoutes:
+        """The same routes by absolute position for LongStraw's capture, replays and prompt backward."""
+        p1 = self.num_prompt - 1
+        responses = [
+            (self.routes_G_S_L_K[i, p1 : p1 + n], self.ok_G_S[i, p1 : p1 + n]) for i, n in enumerate(self.lengths)
+        ]
+        # Prompt rows are identical in every row whose record is usable; take them from the first such row.
+        prompt_ok_G_S = self.ok_G_S[:, :p1]
+        source = int(prompt_ok_G_S.any(1).float().argmax())
+        return SequenceRoutes(self.routes_G_S_L_K[source, :p1], prompt_ok_G_S[source], responses)

@@ -15,6 +15,8 @@ Reasons, in the order they are checked (a token gets the first that applies):
     ratio_low           r = pi_learner_old / pi_rollout < alpha
     ratio_high          r > beta
 
+Route statuses come from `longstraw.routing.route_status`; the ratio statuses from `icepop_status` here.
+
 r is computed in log space and clamped (|log r| <= 20) so that a token the rollout thought impossible cannot produce
 inf or nan; r exactly equal to alpha or beta is inside the band.
 """
@@ -25,49 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-ROUTE_REASONS = ("route_missing", "route_layers", "route_layout", "route_out_of_range", "route_duplicate")
+from longstraw.routing import ROUTE_REASONS
+
 RATIO_REASONS = ("ratio_low", "ratio_high")
 REASONS = ROUTE_REASONS + RATIO_REASONS
 LOG_RATIO_CLAMP = 20.0
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """The learner's MoE layout that recorded routes must map onto."""
-
-    num_layers: int
-    num_experts: int
-    top_k: int
-
-
-def route_status(
-    routes_N_L_K: torch.Tensor | None, num_tokens: int, layout: ExpertLayout, recorded_experts: int | None = None
-) -> torch.Tensor:
-    """Per-token route status: 0 = mappable, else 1 + index into ROUTE_REASONS. Returns int64 [num_tokens].
-
-    routes_N_L_K: the recorded ids for the N positions the learner replays (or None); recorded_experts: the expert
-    count the rollout engine declared, when it did. Never raises on a bad payload: bad payloads are counted.
-    """
-    status_N = torch.zeros(num_tokens, dtype=torch.long)
-    code = {reason: i + 1 for i, reason in enumerate(ROUTE_REASONS)}
-    if routes_N_L_K is None or routes_N_L_K.dim() != 3 or routes_N_L_K.shape[0] != num_tokens:
-        return status_N.fill_(code["route_missing"])
-    if routes_N_L_K.shape[1] != layout.num_layers:
-        return status_N.fill_(code["route_layers"])
-    integer = not (routes_N_L_K.is_floating_point() or routes_N_L_K.is_complex() or routes_N_L_K.dtype == torch.bool)
-    if (
-        routes_N_L_K.shape[2] != layout.top_k
-        or not integer
-        or (recorded_experts is not None and recorded_experts != layout.num_experts)
-    ):
-        return status_N.fill_(code["route_layout"])
-    ids = routes_N_L_K.long()
-    out_of_range_N = ((ids < 0) | (ids >= layout.num_experts)).flatten(1).any(1)
-    sorted_ids = ids.sort(dim=-1).values
-    duplicate_N = (sorted_ids[..., 1:] == sorted_ids[..., :-1]).flatten(1).any(1)
-    status_N[duplicate_N] = code["route_duplicate"]
-    status_N[out_of_range_N] = code["route_out_of_range"]
-    return status_N
 
 
 def icepop_status(old_logp_T: torch.Tensor, rollout_logp_T: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:

@@ -13,8 +13,8 @@ import os
 import sys
 
 from mint.errors import ConfigError, MintError
-from mint.revisions_cli import add_parsers
-from mint.revisions_cli import run as run_catalog_command
+from mint.hub import add_parsers
+from mint.hub import run_command as run_catalog_command
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         from mint.config import load_config
 
         config = load_config(args.recipe, args.overrides)
-        from mint.trainer import train  # heavy imports (ray, deepspeed) only once the recipe is valid
+        from mint.train.driver import train  # heavy imports (ray, deepspeed) only once the recipe is valid
 
         summary = train(config)
     except ConfigError as e:

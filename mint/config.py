@@ -124,7 +124,13 @@ class GrpoConfig:
 @dataclass(frozen=True)
 class LearnerConfig:
     num_ranks: int = knob(2, "Learner actors forming one torch.distributed group (gloo on CPU, nccl on GPU).", min=1)
-    zero_stage: int = knob(2, "DeepSpeed ZeRO stage; 3 shards the frozen base across ranks.", min=0, max=3)
+    zero_stage: int = knob(
+        1,
+        "DeepSpeed ZeRO stage: 1 shards the optimizer state; 2 also the gradients (naive engine only across ranks: it "
+        "reduces inside every backward); 3 also the frozen base (naive engine only).",
+        min=0,
+        max=3,
+    )
     lr: float = knob(5e-3, "AdamW learning rate for the LoRA parameters.", gt=0.0)
     weight_decay: float = knob(0.0, "AdamW weight decay.", min=0.0)
     grad_clip: float = knob(1.0, "Global gradient-norm clip; 0 disables.", min=0.0)
@@ -157,8 +163,8 @@ class LongStrawConfig:
     )
     kernels: str = knob(
         "auto",
-        "Triton kernels in the replay (prefix attention, fused frozen-head logprob): auto "
-        "uses them on CUDA and plain torch on CPU; on / off force it.",
+        "Which implementation of LongStraw's kernels (prefix attention, fused frozen-head logprob) runs: auto "
+        "is Triton on CUDA and their torch reference on CPU; on forces Triton, off the reference.",
         choices=("auto", "on", "off"),
     )
 
@@ -330,10 +336,23 @@ def check_consistency(config: Config) -> None:
     if config.learner.engine == "longstraw" and config.learner.zero_stage == 3:
         raise ConfigError(
             "learner.engine: longstraw runs the model piecewise and needs whole weights on each rank; "
-            "use learner.zero_stage <= 2 or learner.engine = naive"
+            "use learner.zero_stage = 1 or learner.engine = naive"
+        )
+    if config.learner.engine == "longstraw" and config.learner.zero_stage == 2 and config.learner.num_ranks > 1:
+        # ZeRO-2 reduces gradients inside every backward call; LongStraw makes one call per response and per prompt
+        # chunk, so ranks whose prompts differ in length issue different collectives (gloo aborts, NCCL hangs).
+        # Stage 1 reduces once, at the accumulation boundary. Issue 9.
+        raise ConfigError(
+            "learner.zero_stage: 2 reduces inside every backward and LongStraw runs one per response and prompt "
+            "chunk, so ranks would disagree; use learner.zero_stage = 1 (LoRA gradients are small)"
         )
     if config.ray.learner_gpus == 0 and config.model.dtype == "float16":
         raise ConfigError("model.dtype: float16 needs a GPU learner (ray.learner_gpus > 0); use float32 or bfloat16")
+    if config.model.dtype == "float16" and config.learner.zero_stage == 0:
+        # DeepSpeed 0.19's stage-0 fp16 optimizer is not scaled inside engine.backward (only ZeRO optimizers are),
+        # so fp16 gradients would run unscaled and underflow; stages 1-2 scale, and LongStraw's exact mode
+        # accounts for that scale (mint.train.inner_step.StepContext.backward).
+        raise ConfigError("model.dtype: float16 needs learner.zero_stage >= 1 (loss scaling); or use bfloat16")
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mint.models import tiny_config
+from mint.models.specs import tiny_config
 
 # Tests run on 2 cores next to Ray workers: one torch thread each keeps them from fighting over the cores.
 torch.set_num_threads(1)
@@ -86,3 +86,27 @@ def run_interp_tests_in_subprocess(test_file: str, min_passed: int) -> None:
     passed = re.search(r"(\d+) passed", proc.stdout)
     assert passed and int(passed.group(1)) >= min_passed, report
     assert "skipped" not in proc.stdout.splitlines()[-1], report
+
+
+def compile_for_hopper(kernel, cfg: dict, pointers: dict, floats=(), **constexprs) -> None:
+    """Compile `kernel` through Triton's whole pipeline to an sm_90 cubin; this needs no GPU.
+
+    cfg: a launcher's tile config (BLOCK_* are constexprs, num_warps/num_stages compile options). pointers: argument
+    name -> Triton pointer type; `floats` are fp32 scalars, other arguments i32. The interpreter runs kernels as
+    numpy and lets through what only the compiler rejects, such as a kernel reading a global that is not a
+    tl.constexpr (which these kernels once did).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = {k: v for k, v in cfg.items() if k.startswith("BLOCK_")} | constexprs
+    options = {k: v for k, v in cfg.items() if not k.startswith("BLOCK_")}
+    signature = {
+        n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in floats else "i32") for n in kernel.arg_names
+    }
+    try:
+        source = ASTSource(fn=kernel, signature=signature, constexprs=consts)
+    except TypeError as err:  # the compiler's internal API changes between Triton releases
+        pytest.skip(f"this Triton's ASTSource takes other arguments: {err}")
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

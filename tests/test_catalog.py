@@ -8,16 +8,16 @@ import time
 import pytest
 import torch
 
-from mint.catalog import ORPHAN_GRACE_S, Catalog
 from mint.cli import main
 from mint.config import build_config
 from mint.errors import MintError
-from mint.records import read_step, write_step
-from mint.revisions import ADAPTER_FILE, META_FILE, RevisionMeta, revision_id
-from mint.rollout import Completion, GroupRollout
-from mint.rollout_actor import GroupResult
-from mint.tasks import Example
-from mint.trainer import Revision, save_revision
+from mint.hub.catalog import ORPHAN_GRACE_S, Catalog
+from mint.hub.records import read_step, write_step
+from mint.hub.revisions import ADAPTER_FILE, META_FILE, RevisionMeta, revision_id
+from mint.rl.tasks import Example
+from mint.rollout.engine import Completion, GroupRollout
+from mint.train.driver import Revision, save_revision
+from mint.train.rollout_actor import GroupResult
 
 CONFIG = {"r": 2, "lora_alpha": 4.0, "peft_type": "LORA"}
 

@@ -66,6 +66,28 @@ def test_bad_overrides_name_the_key(override, expected):
     assert "\n" not in message
 
 
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["learner.engine=longstraw", "learner.zero_stage=3"], "learner.engine: longstraw runs the model piecewise"),
+        (["model.dtype=float16"], "model.dtype: float16 needs a GPU learner"),
+        # Issue 9: ZeRO-2 reduces inside every backward; LongStraw's backward count differs across ranks.
+        (["learner.engine=longstraw", "learner.zero_stage=2", "learner.num_ranks=2"], "learner.zero_stage: 2 reduces"),
+        # Issue 9: DeepSpeed's stage-0 fp16 optimizer never scales the loss in engine.backward.
+        (
+            ["model.dtype=float16", "ray.learner_gpus=1", "learner.zero_stage=0"],
+            "model.dtype: float16 needs learner.zero_stage >= 1",
+        ),
+    ],
+)
+def test_combinations_that_are_not_correct_are_refused(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        build_config({}, overrides)
+    assert str(err.value).startswith(expected) and "\n" not in str(err.value)
+    build_config({}, ["model.dtype=float16", "ray.learner_gpus=1", "learner.zero_stage=1"])  # the supported ones
+    build_config({}, ["learner.engine=longstraw", "learner.zero_stage=2", "learner.num_ranks=1"])
+
+
 def test_bad_recipe_table_and_missing_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[grpo]\nsteps = 'many'\n")

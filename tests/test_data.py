@@ -1,4 +1,4 @@
-"""mint.data: file and synthetic sources, their errors, and the reproducible batch stream that resume relies on."""
+"""mint.rl.data: file and synthetic sources, their errors, and the reproducible batch stream that resume relies on."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mint.data import FileDataset, SyntheticDataset, load_dataset
 from mint.errors import DataError
-from mint.tasks import Example
+from mint.rl.data import FileDataset, SyntheticDataset, load_dataset
+from mint.rl.tasks import Example
 
 
 def write_jsonl(path, records) -> str:

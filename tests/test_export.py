@@ -12,14 +12,14 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from mint.catalog import Catalog
 from mint.cli import main
 from mint.config import LoraConfig
 from mint.errors import MintError
-from mint.export import export, fuse_experts, lora_size, split_experts
-from mint.lora import adapter_config_dict, add_lora, load_lora_state, lora_state
-from mint.models import load_model
-from mint.revisions import ADAPTER_FILE, CONFIG_FILE, base_fingerprint
+from mint.hub.catalog import Catalog
+from mint.hub.export import export, fuse_experts, lora_size, split_experts
+from mint.hub.revisions import ADAPTER_FILE, CONFIG_FILE, base_fingerprint
+from mint.models.lora import adapter_config_dict, add_lora, load_lora_state, lora_state
+from mint.models.specs import load_model
 
 X = torch.tensor([[3, 17, 42, 8, 91, 5, 60, 11, 29]])
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mint.errors import ConfigError
-from mint.grpo import (
+from mint.rl.grpo import (
     LossSpec,
     aggregate,
     group_advantages,

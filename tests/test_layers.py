@@ -1,18 +1,57 @@
-"""Imports point downward only: mint -> longstraw -> longstraw.kernels (ARCHITECTURE.md)."""
+"""The layer rules of docs/layout.md, enforced on every import in the tree (function-level imports included).
+
+Layers, highest first; a module may import its own layer and the ones below it, never one above:
+
+    mint.cli > mint.train > mint.hub > mint.rollout > mint.models > mint.rl > mint.config > mint > mint.errors
+        > longstraw > longstraw.kernels
+
+and third-party rules: Ray and DeepSpeed only in mint.train; triton only in kernels/; kernels/ imports torch and
+triton only; outside mint/hub, code reaches MinT through `mint.hub`'s public API, never its modules.
+"""
 
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
+import tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
 
-# package folder -> top-level modules it must never import
-FORBIDDEN = {
-    "longstraw": {"mint", "ray"},
-    "kernels": {"mint", "longstraw", "ray", "transformers", "peft", "deepspeed"},
-}
-ALLOWED_IN_KERNELS = "longstraw.kernels"
+LAYERS = [
+    "mint.cli",
+    "mint.train",
+    "mint.hub",
+    "mint.rollout",
+    "mint.models",
+    "mint.rl",
+    "mint.config",
+    "mint",  # mint/__init__.py (re-exports MintError); a new top-level mint module must be given its own layer
+    "mint.errors",
+    "longstraw",
+    "longstraw.kernels",
+]
+ONLY_IN = {"ray": "mint.train", "deepspeed": "mint.train", "triton": "longstraw.kernels"}
+KERNELS_MAY_IMPORT = {"torch", "triton", "math", "__future__", "functools", "os", "longstraw"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] == "kernels":
+        parts = ["longstraw", "kernels", *parts[1:]]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _layer(module: str) -> int | None:
+    """Index of the most specific layer that `module` belongs to (None: not ours)."""
+    best = None
+    for i, layer in enumerate(LAYERS):
+        if (module == layer or module.startswith(layer + ".")) and (best is None or len(layer) > len(LAYERS[best])):
+            best = i
+    return best
 
 
 def _imports(path: Path) -> list[str]:
@@ -25,25 +64,65 @@ def _imports(path: Path) -> list[str]:
     return names
 
 
-def test_imports_point_downward():
+def _sources():
+    for folder in ("mint", "longstraw", "kernels"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            yield path, _module_name(path)
+
+
+def test_layers_point_downward():
     bad = []
-    for folder, forbidden in FORBIDDEN.items():
-        for path in (ROOT / folder).rglob("*.py"):
-            for name in _imports(path):
-                top = name.split(".")[0]
-                if top in forbidden and not (folder == "kernels" and name.startswith(ALLOWED_IN_KERNELS)):
-                    bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    for path, module in _sources():
+        own = _layer(module)
+        for name in _imports(path):
+            target = _layer(name)
+            if target is not None and target < own:
+                bad.append(f"{path.relative_to(ROOT)} ({LAYERS[own]}) imports {name} ({LAYERS[target]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_heavy_dependencies_stay_in_their_layer():
+    bad = []
+    for path, module in _sources():
+        for name in _imports(path):
+            home = ONLY_IN.get(name.split(".")[0])
+            if home is not None and not (module == home or module.startswith(home + ".")):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}: only {home} may")
+    assert not bad, "\n".join(bad)
+
+
+def test_kernels_import_torch_and_triton_only():
+    bad = []
+    for path in (ROOT / "kernels").rglob("*.py"):
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top not in KERNELS_MAY_IMPORT or (top == "longstraw" and not name.startswith("longstraw.kernels")):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, bad
 
 
-def test_triton_only_inside_kernels():
-    bad = [
-        str(p.relative_to(ROOT))
-        for folder in ("mint", "longstraw")
-        for p in (ROOT / folder).rglob("*.py")
-        if any(n.split(".")[0] == "triton" for n in _imports(p))
-    ]
+def test_hub_is_reached_through_its_public_api():
+    bad = []
+    for path, module in _sources():
+        if module.startswith("mint.hub"):
+            continue
+        bad += [f"{path.relative_to(ROOT)} imports {n}" for n in _imports(path) if n.startswith("mint.hub.")]
     assert not bad, bad
+    import mint.hub
+
+    for name in mint.hub.__all__:
+        assert getattr(mint.hub, name) is not None, name
+
+
+def test_every_package_is_installed():
+    """pyproject lists packages explicitly (kernels/ maps to longstraw.kernels); a new sub-package must be listed."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        _module_name(p.parent / "__init__.py")
+        for folder in ("mint", "longstraw", "kernels")
+        for p in (ROOT / folder).rglob("__init__.py")
+    }
+    assert found == listed, (found - listed, listed - found)
 
 
 def test_no_top_level_kernels_package(tmp_path):
@@ -57,3 +136,9 @@ def test_no_top_level_kernels_package(tmp_path):
     probe = "import importlib.util as u, longstraw.kernels as k; s = u.find_spec('kernels'); print(s and s.origin)"
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert str(ROOT / "kernels") not in out.stdout, out.stdout
+
+
+def test_modules_stay_small():
+    """STYLE 7: modules under about 500 lines, so each reads in one sitting."""
+    big = [f"{p.relative_to(ROOT)}: {n}" for p, _ in _sources() if (n := len(p.read_text().splitlines())) > 500]
+    assert not big, big

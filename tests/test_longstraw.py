@@ -6,6 +6,7 @@ G=3 responses of unequal lengths after a P=23 prompt, LoRA on attention and fuse
 
 from __future__ import annotations
 
+import importlib
 import pickle
 
 import pytest
@@ -13,15 +14,16 @@ import torch
 from conftest import load_fp32
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-import longstraw.attention
-import longstraw.logprobs
 from longstraw.adapters import KVState, adapter_for
-from longstraw.attention import KVPrefix, prefix_attention
 from longstraw.engine import PrefixCapture, UpdateMetrics, UpdateSpec, capture_prefix, grpo_update, score_response
 from longstraw.errors import LongStrawError
 from longstraw.scoring import token_logprobs
 from mint.config import LoraConfig
-from mint.lora import add_lora
+from mint.models.lora import add_lora
+
+# The kernels' torch references are LongStraw's CPU path; their block sizes are module constants.
+_attention_reference = importlib.import_module("longstraw.kernels._prefix_attention_reference")
+_logprob_reference = importlib.import_module("longstraw.kernels._fused_logprob_reference")
 
 P = 23
 LENGTHS = (2, 5, 9)
@@ -33,9 +35,9 @@ TEMPERATURE = 0.9
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
     """Tiny blocks so every test crosses block boundaries: prefix keys 4 at a time, own keys split, 3 logit rows."""
-    monkeypatch.setattr(longstraw.attention, "SCORE_BLOCK_ELEMENTS", 16)
-    monkeypatch.setattr(longstraw.attention, "MIN_KEY_BLOCK", 4)
-    monkeypatch.setattr(longstraw.logprobs, "LOGIT_BLOCK_ELEMENTS", 3 * 97)
+    monkeypatch.setattr(_attention_reference, "SCORE_BLOCK_ELEMENTS", 16)
+    monkeypatch.setattr(_attention_reference, "MIN_KEY_BLOCK", 4)
+    monkeypatch.setattr(_logprob_reference, "LOGIT_BLOCK_ELEMENTS", 3 * 97)
 
 
 def _lora_model(path: str) -> torch.nn.Module:
@@ -143,9 +145,9 @@ def test_exact_grads_equal_full_backprop(random_tiny_path):
 
 @pytest.mark.parametrize("mode", ["exact", "detached"])
 def test_kernel_path_wiring_equals_full_backprop(random_tiny_path, mode, monkeypatch):
-    """Issue 4 integration: with kernels="on" the adapter calls longstraw.kernels (prefix_attention with the exact
-    mode's dK/dV buffers, fused_logprob from hidden states); on CPU tensors those dispatch to their torch references,
-    so this pins the wiring (layouts, GQA head order, buffer accumulation). The Triton bodies are checked against the
+    """One implementation per op (issue 9): the adapter calls only longstraw.kernels (prefix_attention with the exact
+    mode's dK/dV buffers, fused_logprob from hidden states); on CPU tensors those run their torch references, so
+    this pins the wiring (layouts, GQA head order, buffer accumulation). The Triton bodies are checked against the
     same references under TRITON_INTERPRET=1 in tests/test_kernel_*.py."""
     import longstraw.kernels as kernels
 
@@ -161,7 +163,7 @@ def test_kernel_path_wiring_equals_full_backprop(random_tiny_path, mode, monkeyp
     model = _lora_model(random_tiny_path)
     tokens_P, responses = _inputs(model.config.vocab_size)
     want = _hf_grads(model, tokens_P, responses, detach_prompt_kv=mode == "detached")
-    got, _ = _engine_grads(model, tokens_P, responses, mode, kernels="on")
+    got, _ = _engine_grads(model, tokens_P, responses, mode)
     _assert_grads_close(got, want)
     assert calls["prefix_attention"] > 0 and calls["fused_logprob"] == 2 * len(responses)  # replays + reference
 
@@ -288,54 +290,6 @@ def test_spec_and_metrics_round_trip_pickle_and_validate(random_qwen3_path):
     other = PrefixCapture(tokens_P.flip(0), capture_prefix(model, tokens_P).state)
     with pytest.raises(LongStrawError, match="different prompt"):
         grpo_update(model, tokens_P, responses, _objective, UpdateSpec(mode="resident"), capture=other)
-
-
-def _attention_reference(q, k, v, prefix_k, prefix_v, scale):
-    """Plain softmax over [prefix; own] keys with repeat_kv, as transformers' eager path computes it."""
-    hkv, groups, t, d = q.shape
-    keys = torch.cat([prefix_k, k], dim=1).repeat_interleave(groups, dim=0)  # [H, S+T, D]
-    values = torch.cat([prefix_v, v], dim=1).repeat_interleave(groups, dim=0)
-    s_len = prefix_k.shape[1]
-    visible = torch.ones(t, s_len + t, dtype=torch.bool).tril(diagonal=s_len)
-    scores = (q.reshape(hkv * groups, t, d) @ keys.transpose(1, 2)) * scale
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return (probs @ values).view(hkv, groups, t, d)
-
-
-@pytest.mark.parametrize("prefix_len", [0, 1, 13])
-def test_prefix_attention_matches_reference_with_grads(prefix_len):
-    """Output, dq, own dk/dv, and the prefix dK/dV sink, against autograd through the plain reference."""
-    gen = torch.Generator().manual_seed(0)
-    hkv, groups, t, d = 2, 3, 5, 8
-    q, k, v = (torch.randn(shape, generator=gen) for shape in ((hkv, groups, t, d), (hkv, t, d), (hkv, t, d)))
-    pk, pv = torch.randn(hkv, prefix_len, d, generator=gen), torch.randn(hkv, prefix_len, d, generator=gen)
-    dout = torch.randn(hkv, groups, t, d, generator=gen)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v, pk, pv)]
-    _attention_reference(*leaves, 0.3).backward(dout)
-
-    ours = [x.clone().requires_grad_() for x in (q, k, v)]
-    prefix = KVPrefix(pk, pv, torch.zeros_like(pk), torch.zeros_like(pv))
-    out = prefix_attention(*ours, prefix, 0.3)
-    out.backward(dout)
-    torch.testing.assert_close(out, _attention_reference(q, k, v, pk, pv, 0.3), atol=1e-5, rtol=1e-5)
-    got_grads = [*(x.grad for x in ours), prefix.grad_k, prefix.grad_v]
-    for got, want in zip(got_grads, [x.grad for x in leaves], strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
-def test_head_logprobs_match_token_logprobs_with_grads():
-    gen = torch.Generator().manual_seed(0)
-    head = torch.nn.Linear(16, 97, bias=False).requires_grad_(False)
-    hidden = torch.randn(10, 16, generator=gen)
-    targets = torch.randint(0, 97, (10,), generator=gen)
-    weights = torch.randn(10, generator=gen)
-    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
-    got = longstraw.logprobs.head_logprobs(h1, head, targets, TEMPERATURE)
-    want = token_logprobs(head(h2), targets, TEMPERATURE)
-    (got * weights).sum().backward()
-    (want * weights).sum().backward()
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-6, rtol=1e-6)
 
 
 def test_active_dropout_is_refused(random_qwen3_path):

@@ -4,7 +4,7 @@ import json
 import math
 
 from mint.config import build_config
-from mint.metrics import RunLogger
+from mint.train.metrics import RunLogger
 
 
 def test_jsonl_lines_and_non_finite_values(tmp_path):

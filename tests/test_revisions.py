@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from mint.errors import MintError
-from mint.revisions import (
+from mint.hub.revisions import (
     ADAPTER_FILE,
     META_FILE,
     RevisionMeta,

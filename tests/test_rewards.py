@@ -1,4 +1,4 @@
-"""mint.rewards: the built-in rewards on hand cases, resolving specs, and `score` containing a misbehaving fn."""
+"""mint.rl.rewards: the built-in rewards on hand cases, resolving specs, and `score` containing a misbehaving fn."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 
-from mint.data import load_dataset
 from mint.errors import RewardError
-from mint.rewards import RewardResult, exact_match, math_reward, resolve_reward, score
+from mint.rl.data import load_dataset
+from mint.rl.rewards import RewardResult, exact_match, math_reward, resolve_reward, score
 
 
 @pytest.mark.parametrize(
@@ -152,7 +152,7 @@ def test_score_contains_failures(caplog):
         return {"nan": math.nan, "inf": math.inf, "str": "1.0", "none": None}.get(response, 1.0)
 
     responses = ["ok", "raise", "nan", "inf", "str", "none", "ok"]
-    with caplog.at_level(logging.WARNING, logger="mint.rewards"):
+    with caplog.at_level(logging.WARNING, logger="mint.rl.rewards"):
         result = score(flaky, responses, ["x"] * len(responses))
     assert result == RewardResult([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0], errors=5, clipped=0)
     (record,) = caplog.records  # one line per batch, not one per failure

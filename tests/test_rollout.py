@@ -16,8 +16,8 @@ from longstraw.errors import LongStrawError
 from longstraw.routing import RouteRecorder, find_routers
 from longstraw.scoring import token_logprobs
 from mint.errors import ConfigError
-from mint.models import moe_layout
-from mint.rollout import GroupRollout, RolloutEngine, SamplingParams
+from mint.models.specs import moe_layout
+from mint.rollout.engine import GroupRollout, RolloutEngine, SamplingParams
 
 PROMPT = [5, 17, 3, 42, 8, 11, 29]
 

@@ -17,14 +17,14 @@ from conftest import build_random_tiny
 from peft import PeftModel
 
 from longstraw.scoring import token_logprobs
-from mint.catalog import Catalog
 from mint.config import LoraConfig
-from mint.lora import adapter_config_dict, add_lora, load_lora_state, lora_state
-from mint.models import load_model
-from mint.revisions import ADAPTER_FILE, base_fingerprint
-from mint.rollout_actor import prompt_tokens
-from mint.tasks import Example
-from mint.tiny import VOCAB_SIZE, build_tokenizer
+from mint.hub.catalog import Catalog
+from mint.hub.revisions import ADAPTER_FILE, base_fingerprint
+from mint.models.lora import adapter_config_dict, add_lora, load_lora_state, lora_state
+from mint.models.specs import load_model
+from mint.models.tiny import VOCAB_SIZE, build_tokenizer
+from mint.rl.tasks import Example
+from mint.train.rollout_actor import prompt_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 60  # seconds per HTTP request; tiny-model requests take well under one
@@ -100,7 +100,7 @@ def _learner(served: dict, rid: str | None):
     base = load_model(served["base"])
     if rid is None:
         return base
-    from mint.export import export_peft
+    from mint.hub.export import export_peft
 
     out = served["root"] / f"peft-{rid[:12]}"
     if not out.exists():
@@ -214,9 +214,9 @@ def test_serve_the_revision_a_training_run_published(tmp_path):
     """Train 2 steps through Ray + DeepSpeed, then serve the run's latest revision from its catalog. The rollout
     records of step 2 link to the revision that sampled them, and rescoring them under it gives their logprobs."""
     from mint.config import load_config
-    from mint.records import read_step
-    from mint.tiny import resolve_model_path
-    from mint.trainer import train
+    from mint.hub.records import read_step
+    from mint.models.tiny import resolve_model_path
+    from mint.train.driver import train
 
     overrides = ["grpo.steps=2", "learner.num_ranks=1", "rollout.prompts_per_step=4"]
     overrides += [f"logging.root={tmp_path}", "logging.name=pub", "logging.progress=false"]

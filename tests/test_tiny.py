@@ -12,9 +12,17 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mint import tiny
 from mint.errors import ConfigError
-from mint.tiny import IM_END, MANIFEST, REQUIRED_FILES, TinyRecipe, build_tokenizer, ensure_tiny, resolve_model_path
+from mint.models import tiny
+from mint.models.tiny import (
+    IM_END,
+    MANIFEST,
+    REQUIRED_FILES,
+    TinyRecipe,
+    build_tokenizer,
+    ensure_tiny,
+    resolve_model_path,
+)
 
 FAMILIES = ("qwen3_moe", "qwen2_moe")
 PROMPT = "What is the first digit of 3 7 1 4?"

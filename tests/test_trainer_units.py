@@ -5,8 +5,8 @@ import json
 import torch
 
 from mint.config import build_config
-from mint.learner import GroupBatch
-from mint.trainer import plan_step, prepare_run_dir, summarize
+from mint.train.driver import plan_step, prepare_run_dir, summarize
+from mint.train.learner import GroupBatch
 
 
 def _group(lengths: list[int]) -> GroupBatch:

@@ -76,8 +76,8 @@ class Adapter(ABC):
     """
 
     on_positions = None
-    # "auto": longstraw.kernels (Triton) for CUDA tensors, the plain-torch paths on CPU; "on": always the kernels'
-    # functional API (which itself falls back to its torch reference on CPU); "off": never.
+    # Which implementation of longstraw.kernels runs (there is one per op): "auto" Triton for CUDA tensors and the
+    # torch reference on CPU; "on" always Triton (CUDA, or CPU under TRITON_INTERPRET=1); "off" always the reference.
     kernels = "auto"
 
     @abstractmethod
@@ -115,5 +115,6 @@ class Adapter(ABC):
         accumulates into `grad` as the chunk's backward runs; memory is one chunk's graph plus `grad`.
         meter: optional factory of a GraphMeter-like context entered around each chunk's recompute; returns the
         largest chunk graph it measured in bytes (0 without a meter). backward: the engine's backward hook,
-        called as backward(scalar, last) once per chunk (last for the first chunk, which runs last).
+        called as backward(scalar, last, True) once per chunk (last for the first chunk, which runs last;
+        True: the surrogate carries the framework's loss scale already, see longstraw.engine.Backward).
         """

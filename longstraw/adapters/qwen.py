@@ -9,18 +9,30 @@ as a module so PEFT LoRA on fused experts and router hooks stay live.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 import longstraw.kernels as kernels
 from longstraw.adapters.base import Adapter, KVState
-from longstraw.attention import KVPrefix, prefix_attention
 from longstraw.errors import LongStrawError
-from longstraw.logprobs import head_logprobs
+from longstraw.scoring import token_logprobs
 
 QK_NORM_FAMILIES = ("qwen3_moe", "qwen3")
 FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3", "qwen2")
+# Adapter.kernels -> longstraw.kernels' `force`: auto dispatches by device (Triton on CUDA, the torch reference on CPU).
+_FORCE = {"auto": None, "on": "triton", "off": "reference"}
+
+
+class KVPrefix(NamedTuple):
+    """One layer's view of the prefix state: k/v [H_kv, S, D] (S may be 0) and, in exact mode, the fp32 dK/dV
+    buffers [H_kv, S, D] that the attention backward adds into (None otherwise)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    grad_k: torch.Tensor | None = None
+    grad_v: torch.Tensor | None = None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -67,27 +79,22 @@ class QwenAdapter(Adapter):
         k = k * cos + _rotate_half(k) * sin
         return q.reshape(self.num_kv_heads, self.groups, t, self.head_dim), k, v
 
-    def _use_kernels(self, like: torch.Tensor) -> bool:
-        return self.kernels == "on" or (self.kernels == "auto" and like.is_cuda)
-
     def _attend(self, attn: nn.Module, q, k, v, prefix: KVPrefix) -> torch.Tensor:
         t = q.shape[2]
-        if self._use_kernels(q):
-            # longstraw.kernels: Triton on CUDA (its own reference on CPU). Query head h = kv * G + g reads K/V head
-            # h // G in both layouts; the kernel adds prefix dK/dV into the exact-mode buffers when they are set.
-            out = kernels.prefix_attention(
-                q.reshape(self.num_heads, t, self.head_dim),
-                prefix.k,
-                prefix.v,
-                k,
-                v,
-                attn.scaling,
-                dk_prefix_acc=prefix.grad_k,
-                dv_prefix_acc=prefix.grad_v,
-            )
-        else:
-            out = prefix_attention(q, k, v, prefix, attn.scaling)  # [Hkv, G, T, D]
-        return attn.o_proj(out.reshape(self.num_heads, t, self.head_dim).transpose(0, 1).reshape(t, -1))
+        # Query head h = kv * G + g reads K/V head h // G, the kernel's GQA convention; in exact mode the kernel adds
+        # the prefix dK/dV into the buffers during backward.
+        out_H_T_D = kernels.prefix_attention(
+            q.reshape(self.num_heads, t, self.head_dim),
+            prefix.k,
+            prefix.v,
+            k,
+            v,
+            attn.scaling,
+            dk_prefix_acc=prefix.grad_k,
+            dv_prefix_acc=prefix.grad_v,
+            force=_FORCE[self.kernels],
+        )
+        return attn.o_proj(out_H_T_D.transpose(0, 1).reshape(t, -1))
 
     @staticmethod
     def _mlp(layer: nn.Module, h_T_Hd: torch.Tensor) -> torch.Tensor:
@@ -149,11 +156,11 @@ class QwenAdapter(Adapter):
 
     def logprobs(self, hidden_T_Hd: torch.Tensor, targets_T: torch.Tensor, temperature: float) -> torch.Tensor:
         head = self.lm_head
-        frozen = type(head) is nn.Linear and head.bias is None and not head.weight.requires_grad
-        if frozen and self._use_kernels(hidden_T_Hd):
-            # Chunked over V with an online logsumexp; backward gives dHidden only (no [V, H] buffer).
-            return kernels.fused_logprob(hidden_T_Hd, head.weight, targets_T, temperature)[0]
-        return head_logprobs(hidden_T_Hd, head, targets_T, temperature)
+        if type(head) is nn.Linear and head.bias is None and not head.weight.requires_grad:
+            # A frozen head: chunked over T and V, [T, V] logits never kept for backward; dHidden only.
+            force = _FORCE[self.kernels]
+            return kernels.fused_logprob(hidden_T_Hd, head.weight, targets_T, temperature, force=force)[0]
+        return token_logprobs(head(hidden_T_Hd), targets_T, temperature)  # a trained or biased head: plain logits
 
     def backward_prompt(
         self, tokens_S, state: KVState, grad: KVState, chunk_size: int, meter=None, backward=None
@@ -182,6 +189,6 @@ class QwenAdapter(Adapter):
                 if backward is None:
                     surrogate.backward()
                 else:
-                    backward(surrogate, start == 0)
+                    backward(surrogate, start == 0, True)
             del kv, outputs, grads
         return graph_bytes

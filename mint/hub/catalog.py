@@ -3,8 +3,8 @@
 Layout of a catalog directory (several runs may share one):
 
     catalog.sqlite                          the index (WAL): revisions, lora configs, tags, names, rollout records
-    revisions/<id[:2]>/<id>/                one immutable revision directory each (see mint.revisions)
-    records/<run>/step_NNNNNN.<rev>.safetensors   rollout record shards (see mint.records)
+    revisions/<id[:2]>/<id>/                one immutable revision directory each (see mint.hub.revisions)
+    records/<run>/step_NNNNNN.<rev>.safetensors   rollout record shards (see mint.hub.records)
 
 An entry is written after its directory is in place, so the index never points at a half-written revision. Entries
 are never edited, except `stored`, which gc clears when it reclaims a revision's tensors. Lineage stays whole: gc
@@ -21,110 +21,31 @@ import dataclasses
 import hashlib
 import json
 import math
-import re
 import shutil
 import sqlite3
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mint.errors import MintError
-from mint.revisions import ADAPTER_FILE, RevisionMeta, read_revision_dir, revision_id, write_revision_dir
-
-DB_FILE = "catalog.sqlite"
-SCHEMA_VERSION = 1
-# gc removes directories the index does not know only when they are older than this: a concurrent publisher renames
-# its directory into place a moment before it inserts the entry.
-ORPHAN_GRACE_S = 3600.0
-
-_HEX = re.compile(r"^[0-9a-f]+$")
-_LABEL = re.compile(r"^[A-Za-z][A-Za-z0-9._-]{0,63}$")
-_METRIC = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS info (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS lora_configs (hash TEXT PRIMARY KEY, json TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS revisions (
-    seq INTEGER PRIMARY KEY,
-    id TEXT NOT NULL UNIQUE,
-    run TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    parent TEXT,
-    created REAL NOT NULL,
-    recipe_hash TEXT NOT NULL,
-    base_model TEXT NOT NULL,
-    base_fingerprint TEXT NOT NULL,
-    config_hash TEXT NOT NULL,
-    nbytes INTEGER NOT NULL,
-    stored INTEGER NOT NULL,
-    metrics TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS revisions_run_seq ON revisions (run, seq);
-CREATE INDEX IF NOT EXISTS revisions_run_step ON revisions (run, step);
-CREATE INDEX IF NOT EXISTS revisions_parent ON revisions (parent);
-CREATE TABLE IF NOT EXISTS tags (tag TEXT NOT NULL, id TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (tag, id));
-CREATE INDEX IF NOT EXISTS tags_id ON tags (id);
-CREATE TABLE IF NOT EXISTS names (name TEXT PRIMARY KEY, id TEXT NOT NULL, created REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS names_id ON names (id);
-CREATE TABLE IF NOT EXISTS records (
-    run TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    revision TEXT NOT NULL,
-    path TEXT NOT NULL,
-    sha256 TEXT NOT NULL,
-    nbytes INTEGER NOT NULL,
-    responses INTEGER NOT NULL,
-    created REAL NOT NULL,
-    PRIMARY KEY (run, step, revision)
-);
-CREATE INDEX IF NOT EXISTS records_revision ON records (revision);
-"""
-
-_COLUMNS = (
-    "r.id, r.run, r.step, r.parent, r.created, r.recipe_hash, r.base_model, r.base_fingerprint, r.config_hash, "
-    "r.metrics, r.nbytes, r.stored"
+from mint.hub._schema import (
+    _HEX,
+    _METRIC,
+    _SCHEMA,
+    _SELECT,
+    DB_FILE,
+    ORPHAN_GRACE_S,
+    SCHEMA_VERSION,
+    GcPlan,
+    RecordShard,
+    check_label,
 )
-_SELECT = f"SELECT {_COLUMNS} FROM revisions r"
-
-
-@dataclass(frozen=True)
-class GcPlan:
-    """What `gc` would do. Build it with `Catalog.plan_gc`, read it, then `Catalog.apply_gc` it."""
-
-    keep_last: int
-    keep: tuple[str, ...]  # stored revisions whose tensors stay (N latest per run, tagged, named)
-    prune: tuple[str, ...]  # stored revisions whose tensors go; their entries stay
-    drop: tuple[str, ...]  # entries removed entirely (only with drop_entries, only without a kept descendant)
-    orphans: tuple[str, ...]  # directories under revisions/ with no stored entry, older than ORPHAN_GRACE_S
-    bytes_freed: int
-
-
-@dataclass(frozen=True)
-class RecordShard:
-    """Index entry of one step's rollout records."""
-
-    run: str
-    step: int
-    revision: str  # the revision the rollouts were sampled with
-    path: str  # relative to the catalog root
-    sha256: str
-    nbytes: int
-    responses: int
-    created: float
-
-
-def check_label(kind: str, label: str) -> str:
-    """Tags and names: a letter, then letters, digits, '.', '_' or '-' (at most 64); never something that reads as
-    an id prefix or a RUN@STEP ref."""
-    if not _LABEL.match(label) or (len(label) >= 6 and _HEX.match(label)):
-        raise MintError(f"{kind} {label!r}: use a letter then letters, digits, '.', '_' or '-' (not a hex id prefix)")
-    return label
+from mint.hub.revisions import ADAPTER_FILE, RevisionMeta, read_revision_dir, revision_id, write_revision_dir
 
 
 class Catalog:
@@ -546,7 +467,7 @@ class Catalog:
 
 
 def catalog_dir(config) -> Path:
-    """Where a run publishes: `mint.catalog`, or <run dir>/catalog when that is empty."""
+    """Where a run publishes: the recipe's `mint.catalog`, or <run dir>/catalog when that is empty."""
     from mint.config import run_dir
 
     return Path(config.mint.catalog) if config.mint.catalog else run_dir(config) / "catalog"

@@ -81,7 +81,7 @@ def add_parsers(sub) -> None:
 
 
 def _open(args, create: bool = False):
-    from mint.catalog import Catalog
+    from mint.hub.catalog import Catalog
 
     if not args.catalog:
         raise MintError("no catalog: pass --catalog DIR (a run publishes to runs/<name>/catalog) or set MINT_CATALOG")
@@ -163,18 +163,18 @@ def _revisions(args) -> int:
     return 0
 
 
-def run(args) -> int:
+def run_command(args) -> int:
     """Dispatch `revisions`, `export` and `serve`."""
     if args.command == "revisions":
         return _revisions(args)
     if args.command == "export":
-        from mint.export import export
+        from mint.hub.export import export
 
         with _open(args) as cat:
             print(json.dumps(export(cat, args.rev, args.out, args.format, args.base)))
         return 0
     if args.command == "serve":
-        from mint.serve import serve
+        from mint.hub.serve import serve
 
         if not args.catalog:
             raise MintError("no catalog: pass --catalog DIR or set MINT_CATALOG")

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from mint.catalog import Catalog
 from mint.errors import MintError
-from mint.revisions import ADAPTER_FILE, CONFIG_FILE, META_FILE, RevisionMeta, base_fingerprint, fsync_dir
+from mint.hub.catalog import Catalog
+from mint.hub.revisions import ADAPTER_FILE, CONFIG_FILE, META_FILE, RevisionMeta, base_fingerprint, fsync_dir
 
 FORMATS = ("peft", "per-expert", "merged")
 PER_EXPERT_FAMILIES = ("qwen2_moe", "qwen3_moe")  # fused gate_up rows are [gate; up] in these
@@ -89,7 +89,7 @@ def _meta_record(meta: RevisionMeta, fmt: str) -> dict:
 
 def resolve_base(meta: RevisionMeta, base: str | None) -> str:
     """The base to export against: `base`, else the path in the adapter config, else the run's model spec."""
-    from mint.tiny import resolve_model_path
+    from mint.models.tiny import resolve_model_path
 
     spec = base or meta.lora_config.get("base_model_name_or_path") or meta.base_model
     if not spec:
@@ -240,7 +240,7 @@ def merged_model(tensors: dict[str, torch.Tensor], adapter_config: dict, base_pa
     """The base with the adapter folded in (fp32 merge), as a plain transformers model."""
     from peft import PeftModel, set_peft_model_state_dict
 
-    from mint.models import load_model
+    from mint.models.specs import load_model
 
     peft_model = PeftModel(load_model(base_path, "float32"), peft_lora_config(adapter_config))
     set_peft_model_state_dict(peft_model, tensors)
@@ -279,7 +279,7 @@ def lora_size(model_config, rank: int, target_modules: list[str], target_experts
     from transformers import AutoModelForCausalLM
 
     from mint.config import LoraConfig
-    from mint.lora import peft_config
+    from mint.models.lora import peft_config
 
     lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=list(target_modules), target_experts=target_experts)
     with torch.device("meta"):

@@ -32,9 +32,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
-from mint.catalog import Catalog, RecordShard
 from mint.errors import MintError
-from mint.revisions import fsync_dir
+from mint.hub.catalog import Catalog, RecordShard
+from mint.hub.revisions import fsync_dir
 
 FORMAT = "mint.rollout_records/1"
 MODES = ("full", "no_routes", "off")
@@ -105,7 +105,7 @@ def _offsets(lengths: Sequence[int]) -> torch.Tensor:
 
 
 def pack(results: Sequence, run: str, step: int, revision: str, mode: str = "full") -> tuple[dict, dict]:
-    """Pack GroupResults (mint.rollout_actor) into a shard's (tensors, metadata)."""
+    """Pack GroupResults (mint.train.rollout_actor) into a shard's (tensors, metadata)."""
     if mode not in MODES:
         raise MintError(f"rollout records: mode {mode!r} is not one of {', '.join(MODES)}")
     prompts_P = [r.rollout.prompt_tokens_P for r in results]

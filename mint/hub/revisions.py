@@ -10,7 +10,7 @@ Writes go to a temporary sibling directory; every file is fsynced, the directory
 directory is fsynced, so a reader sees a whole revision or none. Reads recompute the id from the tensors and refuse a
 file whose hash differs or that does not parse (a partial or corrupt write) with a one-line `MintError`.
 
-The index over many revisions (lineage, tags, latest per run) is `mint.catalog`; this module is the file format.
+The index over many revisions (lineage, tags, latest per run) is `mint.hub.catalog`; this module is the file format.
 """
 
 from __future__ import annotations

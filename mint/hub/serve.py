@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from mint.catalog import Catalog
 from mint.errors import MintError
+from mint.hub.catalog import Catalog
 from mint.rollout import RolloutEngine, SamplingParams
 
 MAX_BODY = 1 << 20
@@ -80,9 +80,9 @@ class AdapterServer:
     ):
         from transformers import AutoTokenizer
 
-        from mint.models import load_model
-        from mint.revisions import base_fingerprint
-        from mint.tiny import resolve_model_path
+        from mint.hub.revisions import base_fingerprint
+        from mint.models.specs import load_model
+        from mint.models.tiny import resolve_model_path
 
         self.base_path = resolve_model_path(base)
         self.catalog = catalog
@@ -112,7 +112,7 @@ class AdapterServer:
     def load(self, lora_name: str, ref: str) -> dict:
         from peft import PeftModel, set_peft_model_state_dict
 
-        from mint.export import check_base, peft_lora_config
+        from mint.hub.export import check_base, peft_lora_config
 
         if not isinstance(lora_name, str) or not lora_name or lora_name in (*BASE_ALIASES, self.served_name):
             raise HttpError(400, f"lora_name: {lora_name!r} is empty or names the base")

@@ -12,7 +12,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
 from mint.config import LoraConfig
-from mint.models import moe_layout
+from mint.models.specs import moe_layout
 
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 

@@ -1,17 +1,16 @@
 """Model specs, tiny configs, and loading through the one `from_pretrained` path.
 
 A model spec is a hub id, a local path, or `tiny:<family>` for the embedded tiny bases (built locally and cached by
-`mint.tiny`, never downloaded). Whatever the spec, the trainer loads the result with `AutoModelForCausalLM.
+`mint.models.tiny`, never downloaded). Whatever the spec, the trainer loads the result with `AutoModelForCausalLM.
 from_pretrained`, so the smoke run exercises the same code as a real run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
+from longstraw.routing import ExpertLayout
 from mint.errors import ConfigError
 
 TINY_PREFIX = "tiny:"
@@ -51,21 +50,7 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
     raise ConfigError(f"model.path: unknown tiny family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
 
 
-@dataclass(frozen=True)
-class MoeLayout:
-    """What route recording and replay need to know about a model's experts."""
-
-    num_layers: int  # MoE layers, in order
-    num_experts: int
-    top_k: int
-
-    @property
-    def route_dtype(self) -> torch.dtype:
-        """uint8 ids while they fit (<= 256 experts), else int16: routes are [R, L, k] per response."""
-        return torch.uint8 if self.num_experts <= 256 else torch.int16
-
-
-def moe_layout(config: PretrainedConfig) -> MoeLayout | None:
+def moe_layout(config: PretrainedConfig) -> ExpertLayout | None:
     """The expert layout of a Qwen-MoE-style config, or None for a dense model."""
     num_experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
     if not num_experts:
@@ -73,7 +58,7 @@ def moe_layout(config: PretrainedConfig) -> MoeLayout | None:
     step = getattr(config, "decoder_sparse_step", 1) or 1
     dense = set(getattr(config, "mlp_only_layers", None) or [])
     layers = [i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
-    return MoeLayout(num_layers=len(layers), num_experts=num_experts, top_k=config.num_experts_per_tok)
+    return ExpertLayout(num_layers=len(layers), num_experts=num_experts, top_k=config.num_experts_per_tok)
 
 
 def load_model(path: str, dtype: str = "float32") -> torch.nn.Module:

@@ -45,8 +45,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from mint.errors import ConfigError
-from mint.models import TINY_FAMILIES, TINY_PREFIX, tiny_config
-from mint.tasks import Example, get_task
+from mint.models.specs import TINY_FAMILIES, TINY_PREFIX, tiny_config
+from mint.rl.tasks import Example, get_task
 
 log = logging.getLogger(__name__)
 

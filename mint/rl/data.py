@@ -1,6 +1,6 @@
 """Datasets: a prompt/answer source turned into an endless, reproducible stream of batches.
 
-A source is `synthetic:<task>` (an infinite generator from `mint.tasks`) or a `.jsonl` / `.parquet` file whose
+A source is `synthetic:<task>` (an infinite generator from `mint.rl.tasks`) or a `.jsonl` / `.parquet` file whose
 records hold a prompt field and an answer field. A file is read and checked whole at load, so a bad record fails at
 startup with its file, line (or row) and key, never mid-run, and no record is ever skipped.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mint.errors import DataError
-from mint.tasks import Example, FirstLastTask, get_task
+from mint.rl.tasks import Example, FirstLastTask, get_task
 
 SYNTHETIC_PREFIX = "synthetic:"
 EXTENSIONS = (".jsonl", ".parquet")

@@ -19,7 +19,7 @@ Route convention (R3)
     of the input at absolute position P-1+j (row 0 comes from the prefill's last position, row j >= 1 from decode
     step j, whose input is token j-1). The prompt routes cover prompt positions 0..P-2. So
     cat(prompt_routes_P1_L_K, routes_R_L_K) has P+R-1 rows and lines up exactly with the positions a learner feeds
-    (prompt + response[:-1]) to score the response. Routes use `MoeLayout.route_dtype` (uint8 while <= 256 experts);
+    (prompt + response[:-1]) to score the response. Routes use `ExpertLayout.route_dtype` (uint8 while <= 256 experts);
     they are None for a dense model.
 
 Stopping
@@ -46,7 +46,7 @@ from transformers import DynamicCache
 from longstraw.routing import RouteRecorder, find_routers
 from longstraw.scoring import token_logprobs
 from mint.errors import ConfigError, MintError
-from mint.models import moe_layout
+from mint.models.specs import moe_layout
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,8 @@ class _Decoded:
 class RolloutEngine:
     """Sample groups of completions from a (possibly PEFT-wrapped) causal LM, recording logprobs and routes.
 
-    The model should be in eval mode (`mint.models.load_model` does that). The engine adds no hooks outside a call.
+    The model should be in eval mode (`mint.models.specs.load_model` does that).
+    The engine adds no hooks outside a call.
     """
 
     def __init__(self, model: nn.Module, eos_token_ids: Sequence[int]):

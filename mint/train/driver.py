@@ -26,15 +26,14 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from longstraw.trust import TrustCounts
-from mint.catalog import Catalog, catalog_dir
 from mint.config import Config, run_dir
-from mint.data import load_dataset
-from mint.grpo import group_advantages_batch, zero_variance_mask
-from mint.learner import GroupBatch, LearnerActor, MicroStep, StepPlan
-from mint.metrics import RunLogger
-from mint.revisions import from_bytes
-from mint.rollout_actor import GroupResult, RolloutActor
-from mint.tiny import resolve_model_path
+from mint.hub import Catalog, catalog_dir, from_bytes
+from mint.models.tiny import resolve_model_path
+from mint.rl.data import load_dataset
+from mint.rl.grpo import group_advantages_batch, zero_variance_mask
+from mint.train.learner import GroupBatch, LearnerActor, MicroStep, StepPlan
+from mint.train.metrics import RunLogger
+from mint.train.rollout_actor import GroupResult, RolloutActor
 
 
 @dataclass
@@ -101,7 +100,7 @@ def start_cluster(config: Config, model_path: str) -> Cluster:
 @functools.lru_cache(maxsize=8)
 def _fingerprint(model_path: str) -> str:
     """The base's fingerprint, read from its files once per run, not every step (up to 128 MiB of reads)."""
-    from mint.revisions import base_fingerprint
+    from mint.hub import base_fingerprint
 
     return base_fingerprint(model_path)
 
@@ -123,7 +122,7 @@ def publish(
     actors receive the id with the safetensors bytes and refuse bytes that do not hash to it. An update that left
     the adapter unchanged (same id as the parent) publishes nothing new and returns the parent.
     """
-    from mint.records import write_step
+    from mint.hub import write_step
 
     data = ray.get([learner.lora_state_bytes.remote() for learner in cluster.learners])[0]
     tensors = from_bytes(data)
@@ -196,7 +195,7 @@ def save_revision(config: Config, out: Path, store: Catalog, rev: Revision) -> P
     """Export the revision as a PEFT adapter directory in <run>/adapters/step_NNNNNN (hard-linked to the catalog's
     tensors where the filesystem allows), then apply retention: `mint.keep_last` revisions of this run keep their
     tensors in the catalog (plus tagged and named ones; entries and lineage stay) and as adapter directories."""
-    from mint.export import export_peft
+    from mint.hub import export_peft
 
     target = out / "adapters" / f"step_{rev.step:06d}"
     if not target.exists():

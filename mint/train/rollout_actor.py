@@ -12,8 +12,8 @@ import torch
 
 from mint.config import Config
 from mint.errors import ConfigError
-from mint.rollout import GroupRollout, SamplingParams
-from mint.tasks import Example
+from mint.rl.tasks import Example
+from mint.rollout.engine import GroupRollout, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,10 @@ class RolloutActor:
     def __init__(self, config: Config, model_path: str):
         from transformers import AutoTokenizer
 
-        from mint.lora import add_lora
-        from mint.models import load_model
-        from mint.rewards import resolve_reward
-        from mint.rollout import RolloutEngine
+        from mint.models.lora import add_lora
+        from mint.models.specs import load_model
+        from mint.rl.rewards import resolve_reward
+        from mint.rollout.engine import RolloutEngine
 
         torch.set_num_threads(config.ray.torch_threads)
         self.config = config
@@ -84,15 +84,15 @@ class RolloutActor:
         verified there). sha256 runs at about 1 GB/s, a small price next to sampling with the wrong weights.
         """
         from mint.errors import MintError
-        from mint.lora import load_lora_state
-        from mint.revisions import from_bytes, revision_id
+        from mint.hub import from_bytes, revision_id
+        from mint.models.lora import load_lora_state
 
         if data is not None:
             tensors = from_bytes(data)
             if revision_id(tensors) != revision:
                 raise MintError(f"load_adapter: bytes do not hash to revision {revision[:12]}; refusing to load")
         elif catalog is not None:
-            from mint.catalog import Catalog
+            from mint.hub import Catalog
 
             with Catalog(catalog, create=False) as store:
                 tensors, meta = store.load(revision)
@@ -104,7 +104,7 @@ class RolloutActor:
         return revision
 
     def rollout(self, examples: list[Example], seed: int) -> list[GroupResult]:
-        from mint.rewards import score
+        from mint.rl.rewards import score
 
         prompts = [prompt_tokens(self.tokenizer, ex, self.config.data.system_prompt) for ex in examples]
         groups = self.engine.generate(prompts, self.config.rollout.group_size, self.params, seed)

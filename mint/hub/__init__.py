@@ -1,0 +1,50 @@
+"""MinT: adapter revisions, the catalog that indexes them, rollout records, export and serving.
+
+The public API is the names below; the modules behind them are internals (other packages import `mint.hub`, never
+its modules, and a test enforces it). MinT stands on its own: it never imports the trainer (`mint.train`).
+
+    Catalog(root)                 open or create a catalog: put, get, resolve, load, latest, lineage, list, tags, gc
+    catalog_dir(config)           where a run publishes
+    RevisionMeta                  a revision's metadata (id, parent, step, run, recipe hash, base, metrics)
+    revision_id(tensors)          sha256 of the canonical tensors: the id
+    to_bytes / from_bytes         safetensors bytes of a LoRA state (what crosses Ray)
+    base_fingerprint(spec)        identity of a base model's weights
+    write_step / read_step        rollout records of one step
+    export(catalog, ref, out, fmt) / export_peft(...)
+    serve(...)                    the HTTP server
+    add_parsers / run_command     the `mint revisions | export | serve` CLI
+
+Names resolve lazily, so `import mint.hub` (and `mint --help`) stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Catalog": "mint.hub.catalog",
+    "catalog_dir": "mint.hub.catalog",
+    "RecordShard": "mint.hub._schema",
+    "RevisionMeta": "mint.hub.revisions",
+    "revision_id": "mint.hub.revisions",
+    "to_bytes": "mint.hub.revisions",
+    "from_bytes": "mint.hub.revisions",
+    "base_fingerprint": "mint.hub.revisions",
+    "write_step": "mint.hub.records",
+    "read_step": "mint.hub.records",
+    "export": "mint.hub.export",
+    "export_peft": "mint.hub.export",
+    "serve": "mint.hub.serve",
+    "add_parsers": "mint.hub.cli",
+    "run_command": "mint.hub.cli",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'mint.hub' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,293 @@
+"""The learner's work on one group (a prompt and its G responses): the two inner steps and what they share.
+
+    naive      one padded full-sequence forward of the G sequences, then one backward
+    longstraw  LongStraw: capture the prompt once without a graph, replay each response with autograd, backward
+               each, and (exact mode) back-propagate the prompt chunk by chunk
+
+Both score with the same objective (`GroupObjective`: trust mask, PPO-clip with KL, global aggregation weights), so
+in exact mode their gradients are equal (tests/test_inner_step.py holds them to 1e-6). DeepSpeed owns every backward
+through `StepContext.backward`; nothing here sets DeepSpeed up (that is `mint.train.learner`).
+
+The loss of a step is a sum over tokens of weight x per-token objective, with weights from global counts (see
+`mint.rl.grpo.token_weights`), so the micro-steps' backward passes add up to the gradient of the global loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from longstraw.engine import PrefixCapture, UpdateSpec, capture_prefix, grpo_update
+from longstraw.routing import ExpertLayout, GroupRoutes, RouteReplay
+from longstraw.scoring import token_logprobs
+from longstraw.trust import TrustCounts, icepop_status, out_of_route, trust_mask
+from mint.config import Config, norm_constant
+from mint.rl.grpo import LossSpec, per_token_objective, token_weights
+
+
+@dataclass(frozen=True)
+class GroupBatch:
+    """One prompt and its G responses, as the learner needs them."""
+
+    prompt_tokens_P: torch.Tensor  # int64 [P]
+    responses: list[torch.Tensor]  # G x int64 [R_i], stop token included
+    rollout_logprobs: list[torch.Tensor]  # G x float32 [R_i], recorded by the rollout engine
+    adv_G: torch.Tensor  # float32 [G]
+    # R3: routes recorded by the rollout engine (None for a dense model or when the record is missing).
+    prompt_routes_P1_L_K: torch.Tensor | None = None  # prompt positions 0..P-2
+    routes: list[torch.Tensor | None] | None = None  # G x [R_i, L, k]; row j = the position that produced token j
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(r) for r in self.responses]
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    group: GroupBatch
+    real: bool  # False: a zero-weight copy that keeps ranks in lockstep
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one rank does in one optimizer step, with the global counts that fix the loss weights."""
+
+    micro_steps: list[MicroStep]
+    total_tokens: int  # response tokens over all ranks
+    total_seqs: int  # responses over all ranks
+
+
+def loss_spec(config: Config) -> LossSpec:
+    g = config.grpo
+    return LossSpec(
+        eps_low=g.eps_low, eps_high=g.eps_high, agg=g.loss_agg, norm_constant=norm_constant(config), kl_coef=g.kl_coef
+    )
+
+
+class ResidentCaptures:
+    """resident mode's kept prefix captures, keyed by prompt tokens; an optimizer step keeps only its own prompts'."""
+
+    def __init__(self):
+        self._kept: dict[bytes, PrefixCapture] = {}
+        self._used: set[bytes] = set()
+
+    def get(self, model, tokens_P: torch.Tensor, chunk_size: int, device: torch.device) -> PrefixCapture:
+        key = tokens_P.numpy().tobytes()
+        self._used.add(key)
+        if key not in self._kept:
+            self._kept[key] = capture_prefix(model, tokens_P.to(device), chunk_size)
+        return self._kept[key]
+
+    def end_step(self) -> None:
+        self._kept = {k: v for k, v in self._kept.items() if k in self._used}
+        self._used = set()
+
+
+def deepspeed_loss_scale(engine) -> float:
+    """The factor DeepSpeed's engine.backward multiplies a loss by: the fp16 loss scale under a ZeRO optimizer
+    (stages 1-3), else 1. (Stage 0's fp16 optimizer is not scaled in engine.backward; the config refuses fp16 there.)
+    """
+    if not engine.fp16_enabled():
+        return 1.0
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    return float(engine.optimizer.loss_scale) if isinstance(engine.optimizer, ZeROOptimizer) else 1.0
+
+
+@dataclass
+class StepContext:
+    """What an inner step needs from its learner rank."""
+
+    engine: Any  # the DeepSpeed engine: forward, .module (the PEFT model), backward, accumulation boundary
+    config: Config
+    spec: LossSpec
+    layout: ExpertLayout | None
+    device: torch.device
+    world_size: int
+    captures: ResidentCaptures = field(default_factory=ResidentCaptures)
+
+    def backward(self, loss: torch.Tensor, boundary: bool, carries_scale: bool = False) -> None:
+        """DeepSpeed's backward, with the accumulation boundary set first (gradients reduce on the boundary).
+
+        carries_scale: the scalar was built from gradients of earlier backward calls (LongStraw's prompt surrogate
+        <out, dL/dout>), which already carry DeepSpeed's fp16 loss scale S; engine.backward multiplies by S again,
+        so it is divided out here. Without this the prompt path's gradient came out S times too large (issue 9).
+        """
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        if carries_scale:
+            loss = loss / deepspeed_loss_scale(self.engine)
+        self.engine.backward(loss)
+
+    def micro_weight(self, micro: MicroStep) -> float:
+        # DeepSpeed averages gradients over ranks; scaling by world size turns that into the global sum. Padding
+        # micro-steps (real=False) run forward and backward for lockstep but weigh nothing.
+        return float(self.world_size) if micro.real else 0.0
+
+    def group_routes(self, group: GroupBatch) -> GroupRoutes | None:
+        """R3 bookkeeping for the group, or None for a dense model (every status 0, nothing replayed)."""
+        if self.layout is None:
+            return None
+        return GroupRoutes.build(
+            group.prompt_routes_P1_L_K,
+            group.routes,
+            len(group.prompt_tokens_P),
+            group.lengths,
+            self.layout,
+            replay=self.config.grpo.r3,
+        )
+
+
+def _statuses(group: GroupBatch, routes: GroupRoutes | None) -> list[torch.Tensor]:
+    return routes.status_G if routes is not None else [torch.zeros(n, dtype=torch.long) for n in group.lengths]
+
+
+class GroupObjective:
+    """The per-response objective of one group, shared by both inner steps: trust mask (R3 x IcePop), PPO-clip
+    with KL, the global aggregation weight; and the group's stats."""
+
+    def __init__(self, ctx: StepContext, group: GroupBatch, plan: StepPlan, route_status_G: list[torch.Tensor]):
+        self.ctx, self.group = ctx, group
+        self.route_status_G = route_status_G
+        lengths = group.lengths
+        self.weights_G = token_weights(lengths, ctx.spec, plan.total_tokens, plan.total_seqs)
+        self.sums = dict(loss=0.0, kl=0.0, clipped=0.0, tokens=float(sum(lengths)), seqs=float(len(lengths)))
+        self.trust = TrustCounts()
+
+    def response_loss(self, i: int, logp_R, ref_R, old, native_R_L_K) -> torch.Tensor:
+        """Response i's weighted loss contribution; masked tokens contribute 0 and are counted by reason."""
+        group, grpo = self.group, self.ctx.config.grpo
+        device = logp_R.device
+        old_R = old[i].to(device) if old is not None else logp_R.detach()
+        rollout_R = group.rollout_logprobs[i].to(device)
+        ratio_status = icepop_status(old_R, rollout_R, grpo.icepop_alpha, grpo.icepop_beta) if grpo.icepop else None
+        status_R = self.route_status_G[i] if grpo.r3 else torch.zeros_like(self.route_status_G[i])
+        mask_R, counts = trust_mask(status_R.to(device), ratio_status, old_R, rollout_R)
+        if native_R_L_K is not None and group.routes is not None and group.routes[i] is not None:
+            # Only positions with a usable route are compared; a malformed payload has none (all statuses nonzero).
+            status = self.route_status_G[i]
+            counts.out_of_route, counts.routed = out_of_route(native_R_L_K.cpu(), group.routes[i], status)
+        self.trust.add(counts)
+        adv_R = group.adv_G[i].to(device).expand_as(logp_R)
+        loss_R, st = per_token_objective(logp_R, old_R, adv_R, self.ctx.spec, ref_logp_T=ref_R)
+        contribution = self.weights_G[i].to(device) * (loss_R * mask_R).sum()
+        kept = mask_R.bool()
+        self.sums["loss"] += float(contribution.detach())
+        self.sums["kl"] += float(st["kl_T"][kept].sum())
+        self.sums["clipped"] += float(st["clipped_T"][kept].float().sum())
+        return contribution
+
+    def stats(self) -> dict:
+        return {**self.sums, "trust": self.trust}
+
+
+# ---- naive: one padded full-sequence forward ------------------------------------------------------------------------
+
+
+def _score_padded(
+    ctx: StepContext,
+    group: GroupBatch,
+    with_grad: bool,
+    adapter: bool = True,
+    routes: GroupRoutes | None = None,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Logprobs of each response under the model (G x [R_i], fp32), and the routers' native ids [G*S, L, k].
+
+    The G sequences prompt + response[:-1] are right-padded into one [G, S = P + R_max - 1] batch: with causal
+    attention, padding after a sequence cannot reach its real positions, so no attention mask is needed. Only the
+    last R_max positions produce logits (logits_to_keep), never [P, V]. With `routes`, every router uses the recorded
+    expert ids of the positions that have a mappable route (R3).
+    """
+    tokens_P, lengths = group.prompt_tokens_P, group.lengths
+    r_max = max(lengths)
+    input_ids = torch.zeros(len(lengths), len(tokens_P) + r_max - 1, dtype=torch.long)
+    targets_G_R = torch.zeros(len(lengths), r_max, dtype=torch.long)
+    for i, resp in enumerate(group.responses):
+        seq = torch.cat([tokens_P, resp[:-1]])
+        input_ids[i, : len(seq)] = seq
+        targets_G_R[i, : len(resp)] = resp
+    input_ids, targets_G_R = input_ids.to(ctx.device), targets_G_R.to(ctx.device)
+    native = None
+    with torch.set_grad_enabled(with_grad), contextlib.ExitStack() as stack:
+        if not adapter:
+            stack.enter_context(ctx.engine.module.disable_adapter())
+        if routes is not None:
+            hooks = stack.enter_context(RouteReplay(ctx.engine.module))
+            hooks.set(*routes.padded())
+        logits = ctx.engine(input_ids=input_ids, logits_to_keep=r_max, use_cache=False).logits
+        if routes is not None:
+            native = hooks.native().cpu()
+        logp_G_R = token_logprobs(logits, targets_G_R, ctx.config.rollout.temperature)
+    # The kept window starts at position P-1, which predicts response token 0, for every row.
+    return [logp_G_R[i, :n] for i, n in enumerate(lengths)], native
+
+
+def naive_group_step(ctx: StepContext, micro: MicroStep, plan: StepPlan, old: list[torch.Tensor] | None, last: bool):
+    """One padded full-sequence forward for the group's G responses, then one backward. Returns (stats, logp)."""
+    group = micro.group
+    routes = ctx.group_routes(group)
+    logp, native = _score_padded(ctx, group, with_grad=True, routes=routes)
+    ref = None
+    if ctx.spec.kl_coef > 0:
+        ref, _ = _score_padded(ctx, group, with_grad=False, adapter=False, routes=routes)
+    objective = GroupObjective(ctx, group, plan, _statuses(group, routes))
+    loss = torch.zeros((), device=ctx.device)
+    for i, logp_R in enumerate(logp):
+        native_R = routes.response_rows(native, i) if native is not None else None
+        loss = loss + objective.response_loss(i, logp_R, ref[i] if ref is not None else None, old, native_R)
+    ctx.backward(loss * ctx.micro_weight(micro), boundary=last)
+    return objective.stats(), logp
+
+
+# ---- longstraw: capture once, replay each response ------------------------------------------------------------------
+
+
+def longstraw_group_step(
+    ctx: StepContext, micro: MicroStep, plan: StepPlan, old: list[torch.Tensor] | None, last: bool
+):
+    """LongStraw: capture the prompt once, replay each response with autograd and backward it, one at a time."""
+    group = micro.group
+    routes = ctx.group_routes(group)
+    # With R3 off every ok is False: the routers run natively, and the replay still measures out-of-route.
+    sequence = routes.sequence() if routes is not None else None
+    objective = GroupObjective(ctx, group, plan, _statuses(group, routes))
+    weight = ctx.micro_weight(micro)
+    logp: list[torch.Tensor | None] = [None] * len(group.responses)
+
+    def response_objective(i: int, logp_R: torch.Tensor, ref_R: torch.Tensor | None):
+        logp[i] = logp_R.detach()
+        native = sequence.replay.native() if sequence is not None and sequence.replay is not None else None
+        return objective.response_loss(i, logp_R, ref_R, old, native) * weight, {}
+
+    def backward(loss: torch.Tensor, final: bool, carries_scale: bool = False) -> None:
+        ctx.backward(loss, boundary=last and final, carries_scale=carries_scale)
+
+    ls = ctx.config.longstraw
+    spec = UpdateSpec(
+        mode=ls.mode,
+        chunk_size=ls.chunk_size,
+        temperature=ctx.config.rollout.temperature,
+        need_ref=ctx.spec.kl_coef > 0,
+        max_prefix_age=ls.max_prefix_age,
+        kernels=ls.kernels,
+    )
+    model = ctx.engine.module
+    capture = None
+    if ls.mode == "resident":
+        capture = ctx.captures.get(model, group.prompt_tokens_P, ls.chunk_size, ctx.device)
+    grpo_update(
+        model,
+        group.prompt_tokens_P.to(ctx.device),
+        [r.to(ctx.device) for r in group.responses],
+        response_objective,
+        spec,
+        capture=capture,
+        backward=backward,
+        routes=sequence,
+    )
+    return objective.stats(), logp
+
+
+INNER_STEPS = {"naive": naive_group_step, "longstraw": longstraw_group_step}
