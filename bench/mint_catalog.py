@@ -79,7 +79,7 @@ def ms(seconds: float) -> float:
 def metadata_entries(runs: int, steps: int, lora_config: dict, fingerprint: str):
     """RevisionMeta for `runs` chains of `steps`, in publish order (step-major, as concurrent runs would interleave
     their publishes)."""
-    from mint.revisions import RevisionMeta
+    from mint.hub.revisions import RevisionMeta
 
     recipe = RECIPE
     parents: list[str | None] = [None] * runs
@@ -106,8 +106,8 @@ def metadata_entries(runs: int, steps: int, lora_config: dict, fingerprint: str)
 
 def tiny_lora(base: str):
     from mint.config import LoraConfig
-    from mint.lora import adapter_config_dict, add_lora, lora_state
-    from mint.models import load_model
+    from mint.models.lora import adapter_config_dict, add_lora, lora_state
+    from mint.models.specs import load_model
 
     model = add_lora(load_model(base), LoraConfig(), seed=0)
     return lora_state(model), json.loads(json.dumps(adapter_config_dict(model, base)))
@@ -118,10 +118,10 @@ def main() -> None:
     random.seed(0)
     from transformers import Qwen3MoeConfig
 
-    from mint.catalog import Catalog
-    from mint.export import checkpoint_bytes, export_merged, lora_size
-    from mint.revisions import base_fingerprint
-    from mint.tiny import resolve_model_path
+    from mint.hub.catalog import Catalog
+    from mint.hub.export import checkpoint_bytes, export_merged, lora_size
+    from mint.hub.revisions import base_fingerprint
+    from mint.models.tiny import resolve_model_path
 
     base = resolve_model_path("tiny:qwen3_moe")  # built and cached on first use (~20 s), not part of the timings
     state, lora_config = tiny_lora(base)

@@ -6,7 +6,7 @@ naive:  G copies of the prompt through prefill at batch G (G x P token-forwards)
 
 Both paths use the engine's own `_prefill` / `_decode` phases and the same seed, so the only difference is the
 prefill. Token-forwards are counted with a hook on the input embedding, not inferred. The model is built in the
-script from `mint.models.tiny_config` (nothing is downloaded).
+script from `mint.models.specs.tiny_config` (nothing is downloaded).
 
     python bench/rollout_prefix.py                      # CPU, P=512, G=8, max_tokens=32
     python bench/rollout_prefix.py --device cuda --prompt-len 4096 --group-size 16
@@ -24,8 +24,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from mint.models import tiny_config
-from mint.rollout import RolloutEngine, SamplingParams
+from mint.models.specs import tiny_config
+from mint.rollout.engine import RolloutEngine, SamplingParams
 
 
 def parse_args() -> argparse.Namespace:
