@@ -245,14 +245,14 @@ def test_reference_saves_nothing_vocab_sized(monkeypatch):
     its logit blocks hold LOGIT_BLOCK_ELEMENTS, or one row when a row is larger."""
     fl_ref = importlib.import_module("longstraw.kernels._fused_logprob_reference")
     monkeypatch.setattr(fl_ref, "LOGIT_BLOCK_ELEMENTS", 128)
-    real, largest = fl_ref._block_logp, []
+    real, largest = fl_ref._block_logits, []
 
-    def recording_block_logp(*args):
-        logp, lse = real(*args)
-        largest.append(logp.numel())
-        return logp, lse
+    def recording_block_logits(*args):
+        z = real(*args)
+        largest.append(z.numel())
+        return z
 
-    monkeypatch.setattr(fl_ref, "_block_logp", recording_block_logp)
+    monkeypatch.setattr(fl_ref, "_block_logits", recording_block_logits)
 
     def saved(fn, V):
         hidden, weight, targets = make_inputs(8, 16, V, trainable_head=True)
