@@ -16,8 +16,8 @@ from mint.hub.records import read_step, write_step
 from mint.hub.revisions import ADAPTER_FILE, META_FILE, RevisionMeta, revision_id
 from mint.rl.tasks import Example
 from mint.rollout.engine import Completion, GroupRollout
-from mint.train.driver import Revision, save_revision
 from mint.train.rollout_actor import GroupResult
+from mint.train.step import Revision, save_revision
 
 CONFIG = {"r": 2, "lora_alpha": 4.0, "peft_type": "LORA"}
 
@@ -95,6 +95,7 @@ def test_corrupt_payload_is_refused(tmp_path):
     cat = Catalog(tmp_path / "cat")
     meta = _chain(cat, "a", 1)[0]
     path = cat.revision_dir(meta.id) / ADAPTER_FILE
+    path.chmod(0o644)  # catalog files are read-only; root writes them anyway, a non-root run needs this
     data = bytearray(path.read_bytes())
     data[-2] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -209,6 +210,7 @@ def test_rollout_records_round_trip_linked_by_revision(tmp_path):
     assert write_step(cat, "a", 3, rev.id, groups, mode="off") is None
 
     path = cat.root / shard.path
+    path.chmod(0o644)
     path.write_bytes(path.read_bytes()[:-5])
     with pytest.raises(MintError, match="checksum"):
         read_step(cat, shard)
@@ -225,6 +227,10 @@ def test_trainer_retention_exports_peft_dirs_and_reclaims_old_tensors(tmp_path):
     assert sorted(p.name for p in (out / "adapters").iterdir()) == ["step_000002", "step_000003"]
     exported = json.loads((out / "adapters/step_000003" / META_FILE).read_text())
     assert exported["id"] == metas[3].id and exported["step"] == 3 and exported["parent"] == metas[2].id
+    # issue 10: the trainer's adapter directories are copies, never hard links to the catalog's file
+    copy = (out / "adapters/step_000003" / ADAPTER_FILE).stat()
+    original = (cat.revision_dir(metas[3].id) / ADAPTER_FILE).stat()
+    assert copy.st_ino != original.st_ino and copy.st_nlink == original.st_nlink == 1
     assert [m.stored for m in cat.lineage(metas[3].id)] == [True, True, False, False]
 
 

@@ -16,8 +16,9 @@ from mint.cli import main
 from mint.config import LoraConfig
 from mint.errors import MintError
 from mint.hub.catalog import Catalog
-from mint.hub.export import export, fuse_experts, lora_size, split_experts
-from mint.hub.revisions import ADAPTER_FILE, CONFIG_FILE, base_fingerprint
+from mint.hub.export import export, export_peft, fuse_experts, lora_size, split_experts
+from mint.hub.integrity import verify_catalog
+from mint.hub.revisions import ADAPTER_FILE, CONFIG_FILE, base_fingerprint, read_revision_dir
 from mint.models.lora import adapter_config_dict, add_lora, load_lora_state, lora_state
 from mint.models.specs import load_model
 
@@ -54,6 +55,37 @@ def test_peft_export_loads_with_peft_and_gives_the_training_logits(random_tiny_p
     torch.testing.assert_close(_logits(loaded), _logits(trained), rtol=0, atol=0)
     with pytest.raises(MintError, match="already exists"):
         export(cat, rid, tmp_path / "peft", "peft")
+
+
+def _flip(path: Path) -> None:
+    path.chmod(0o644)  # catalog files are read-only; root writes them anyway, a non-root run needs this
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_peft_exports_are_independent_copies(tmp_path):
+    """Issue 10: `<run>/adapters/step_N` was a hard link to the catalog's file, so one flipped byte corrupted both.
+    `link=True` (what the trainer passes) now copies too."""
+    cat = Catalog(tmp_path / "catalog")
+    g = torch.Generator().manual_seed(0)
+    tensors = {"x.lora_A.weight": torch.randn(2, 3, generator=g), "x.lora_B.weight": torch.randn(3, 2, generator=g)}
+    rid = cat.put(tensors, {"r": 2, "lora_alpha": 4.0}, run="t", step=1).id
+    a, b = export_peft(cat, rid, tmp_path / "a", link=True), export_peft(cat, rid, tmp_path / "b")
+    catalog_file = cat.revision_dir(rid) / ADAPTER_FILE
+    assert (a / ADAPTER_FILE).stat().st_ino != catalog_file.stat().st_ino and catalog_file.stat().st_nlink == 1
+
+    _flip(a / ADAPTER_FILE)  # a damaged export leaves the catalog whole
+    with pytest.raises(MintError, match="refusing to load"):
+        read_revision_dir(a)
+    assert verify_catalog(cat).ok and cat.load(rid)[1].id == rid
+
+    _flip(catalog_file)  # and a damaged catalog leaves the export whole
+    assert read_revision_dir(b, expect_id=rid)[2]["id"] == rid
+    assert [p.revision for p in verify_catalog(cat).problems] == [rid]
+    with pytest.raises(MintError, match="refusing to load"):  # nothing unverified is ever copied out
+        export_peft(cat, rid, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
 
 
 def _merge_per_expert_into_checkpoint(base: str, adapter_dir: Path, out: Path) -> None:

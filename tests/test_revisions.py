@@ -4,6 +4,7 @@ import json
 import os
 import pickle
 import shutil
+import stat
 
 import pytest
 import torch
@@ -53,6 +54,9 @@ def test_write_is_atomic_and_read_verifies(tmp_path):
     rid = write_revision_dir(target, t, {"r": 4}, {"step": 3, "parent": None})
     assert rid == revision_id(t)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp directory left behind"
+    # files are read-only once in place; the directory is not, so gc can delete them (issue 10)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()} == {0o444}
+    assert target.stat().st_mode & stat.S_IWUSR
     tensors, config, meta = read_revision_dir(target)
     assert config == {"r": 4} and meta["id"] == rid and meta["step"] == 3
     assert all(torch.equal(tensors[k], t[k]) for k in t)
@@ -68,6 +72,7 @@ def test_corrupt_truncated_or_missing_files_are_refused_in_one_line(tmp_path):
 
     flipped = tmp_path / "flipped"
     shutil.copytree(good, flipped)
+    (flipped / ADAPTER_FILE).chmod(0o644)  # written read-only; root writes it anyway, a non-root run needs this
     data = bytearray((flipped / ADAPTER_FILE).read_bytes())
     data[-1] ^= 0x01  # one bit of one weight
     (flipped / ADAPTER_FILE).write_bytes(bytes(data))
@@ -77,6 +82,7 @@ def test_corrupt_truncated_or_missing_files_are_refused_in_one_line(tmp_path):
 
     truncated = tmp_path / "truncated"
     shutil.copytree(good, truncated)
+    (truncated / ADAPTER_FILE).chmod(0o644)
     data = (truncated / ADAPTER_FILE).read_bytes()
     (truncated / ADAPTER_FILE).write_bytes(data[: len(data) // 2])
     with pytest.raises(MintError, match="partial or corrupt write") as err:

@@ -6,11 +6,13 @@ its modules, and a test enforces it). MinT stands on its own: it never imports t
     Catalog(root)                 open or create a catalog: put, get, resolve, load, latest, lineage, list, tags, gc
     catalog_dir(config)           where a run publishes
     RevisionMeta                  a revision's metadata (id, parent, step, run, recipe hash, base, metrics)
+    read_revision_dir(path)       a revision directory's tensors and metadata, hash-verified
     revision_id(tensors)          sha256 of the canonical tensors: the id
     to_bytes / from_bytes         safetensors bytes of a LoRA state (what crosses Ray)
     base_fingerprint(spec)        identity of a base model's weights
     write_step / read_step        rollout records of one step
     export(catalog, ref, out, fmt) / export_peft(...)
+    verify_catalog(catalog, refs) re-hash revisions and record shards against the index (`mint revisions verify`)
     serve(...)                    the HTTP server
     add_parsers / run_command     the `mint revisions | export | serve` CLI
 
@@ -27,6 +29,7 @@ _EXPORTS = {
     "RecordShard": "mint.hub._schema",
     "RevisionMeta": "mint.hub.revisions",
     "revision_id": "mint.hub.revisions",
+    "read_revision_dir": "mint.hub.revisions",
     "to_bytes": "mint.hub.revisions",
     "from_bytes": "mint.hub.revisions",
     "base_fingerprint": "mint.hub.revisions",
@@ -34,6 +37,7 @@ _EXPORTS = {
     "read_step": "mint.hub.records",
     "export": "mint.hub.export",
     "export_peft": "mint.hub.export",
+    "verify_catalog": "mint.hub.integrity",
     "serve": "mint.hub.serve",
     "add_parsers": "mint.hub.cli",
     "run_command": "mint.hub.cli",

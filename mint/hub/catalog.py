@@ -6,10 +6,11 @@ Layout of a catalog directory (several runs may share one):
     revisions/<id[:2]>/<id>/                one immutable revision directory each (see mint.hub.revisions)
     records/<run>/step_NNNNNN.<rev>.safetensors   rollout record shards (see mint.hub.records)
 
-An entry is written after its directory is in place, so the index never points at a half-written revision. Entries
-are never edited, except `stored`, which gc clears when it reclaims a revision's tensors. Lineage stays whole: gc
-keeps the entry of every revision that has a kept descendant, so `lineage(id)` of a kept revision always reaches
-the root.
+An entry is written after its directory is in place, so the index never points at a half-written revision. Files are
+read-only once written (directories stay writable for gc). Entries are never edited, except `stored`, which gc clears
+when it reclaims a revision's tensors. Lineage stays whole: gc keeps the entry of every revision that has a kept
+descendant, so `lineage(id)` of a kept revision always reaches the root. `mint.hub.integrity` checks the files against
+their entries (`mint revisions verify`).
 
 Refs accepted wherever a revision is named: a full id, a name (`tag --name`), `RUN@latest`, `RUN@STEP`, or a unique
 id prefix of at least 6 hex digits.
@@ -45,7 +46,16 @@ from mint.hub._schema import (
     RecordShard,
     check_label,
 )
-from mint.hub.revisions import ADAPTER_FILE, RevisionMeta, read_revision_dir, revision_id, write_revision_dir
+from mint.hub.revisions import (
+    ADAPTER_FILE,
+    RevisionMeta,
+    describe_nonfinite,
+    nonfinite_counts,
+    read_adapter_bytes,
+    read_revision_dir,
+    revision_id,
+    write_revision_dir,
+)
 
 
 class Catalog:
@@ -151,7 +161,11 @@ class Catalog:
     ) -> RevisionMeta:
         """Publish tensors as a revision and return its entry. Idempotent: the same tensors are the same revision,
         and the first publish's metadata stands. The parent must already be in this catalog (so lineage is acyclic).
+        Tensors holding any NaN or inf are refused before anything is written.
         """
+        bad = nonfinite_counts(tensors)
+        if bad:  # a diverged update: serving or resuming from it can only spread the NaNs
+            raise MintError(f"run {run} step {step}: refusing to publish {describe_nonfinite(bad)}; nothing written")
         rid = revision_id(tensors)
         existing = self.find(rid)
         if existing is not None and existing.stored:
@@ -174,8 +188,9 @@ class Catalog:
             },
         )
         target = self.revision_dir(rid)
-        record = {k: v for k, v in meta.to_dict().items() if k not in ("nbytes", "stored")}
-        write_revision_dir(target, tensors, lora_config, record)
+        first = existing or meta  # tensors reclaimed and published again: the files carry the entry's metadata
+        record = {k: v for k, v in first.to_dict().items() if k not in ("nbytes", "stored")}
+        write_revision_dir(target, tensors, first.lora_config, record)
         nbytes = (target / ADAPTER_FILE).stat().st_size
         with self._tx() as db:
             if existing is not None:  # tensors reclaimed by gc earlier, published again: they are back
@@ -261,13 +276,22 @@ class Catalog:
         meta = self.find(ref) if len(ref) == 64 else None
         return meta if meta is not None else self.find(self.resolve(ref))  # type: ignore[return-value]
 
-    def load(self, ref: str) -> tuple[dict[str, torch.Tensor], RevisionMeta]:
-        """The revision's tensors (hash verified) and its entry."""
+    def _stored(self, ref: str) -> RevisionMeta:
         meta = self.get(ref)
         if not meta.stored:
             raise MintError(f"revision {meta.id[:12]}: its tensors were reclaimed by gc; only the entry is left")
+        return meta
+
+    def load(self, ref: str) -> tuple[dict[str, torch.Tensor], RevisionMeta]:
+        """The revision's tensors (hash verified) and its entry."""
+        meta = self._stored(ref)
         tensors, _, _ = read_revision_dir(self.revision_dir(meta.id), expect_id=meta.id)
         return tensors, meta
+
+    def adapter_bytes(self, ref: str) -> tuple[bytes, RevisionMeta]:
+        """The raw bytes of the revision's tensors file (hash verified) and its entry: what a PEFT export copies."""
+        meta = self._stored(ref)
+        return read_adapter_bytes(self.revision_dir(meta.id), meta.id), meta
 
     def latest(self, run: str) -> RevisionMeta | None:
         """The most recently published revision of a run."""

@@ -1,15 +1,20 @@
-"""The catalog's command line: `mint revisions list|show|lineage|tag|gc`, `mint export`, `mint serve`.
+"""The catalog's command line: `mint revisions list|show|lineage|tag|gc|verify`, `mint export`, `mint serve`.
 
 Every command takes `--catalog DIR` (default: $MINT_CATALOG). Output is human-readable by default and JSON with
-`--json` (one object per line for lists). Errors are `MintError`s: `mint` prints one line and exits 1.
+`--json` (one object per line for lists). Errors are `MintError`s: `mint` prints one line and exits 1. `verify` exits
+0 when everything checked is whole, 1 when anything is bad, and 2 for a usage error (no catalog, an unknown ref).
+`show` exits 1, after the metadata, when the revision's files do not check out.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
+import sqlite3
+import sys
 import time
 
 from mint.errors import MintError
@@ -60,6 +65,12 @@ def add_parsers(sub) -> None:
     p.add_argument("--drop-entries", action="store_true", help="also remove entries with no kept descendant")
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
 
+    p = rsub.add_parser("verify", help="re-hash revisions and record shards and check them against the index (fsck)")
+    _catalog_arg(p)
+    p.add_argument("refs", nargs="*", metavar="REF", help="revisions to check, with their record shards")
+    p.add_argument("--all", action="store_true", help="check every entry, every record shard and the index itself")
+    p.add_argument("--json", action="store_true", help="one JSON object per finding, then a summary object")
+
     p = sub.add_parser("export", help="export a revision: peft (default), per-expert (vLLM/SGLang) or merged")
     _catalog_arg(p)
     p.add_argument("rev")
@@ -107,7 +118,37 @@ def _parse_where(items: list[str]) -> list[tuple[str, str, float]]:
     return out
 
 
+def _usage_error(text: str) -> int:
+    print(f"mint: error: {text}", file=sys.stderr)
+    return 2
+
+
+def _verify(args) -> int:
+    """`mint revisions verify`: one line per bad or pruned entry, then a summary; exit 0, 1 (bad) or 2 (usage)."""
+    from mint.hub.integrity import verify_catalog
+
+    if bool(args.refs) == args.all:
+        return _usage_error("revisions verify: name revisions (REF ...) or pass --all, not both")
+    try:
+        with _open(args) as cat:
+            report = verify_catalog(cat, None if args.all else args.refs)
+    except MintError as err:  # no catalog, or an unknown or ambiguous ref: nothing was checked
+        return _usage_error(str(err))
+    except sqlite3.DatabaseError as err:  # the index file itself is damaged
+        print(f"mint: error: {args.catalog}: catalog index unreadable ({err})", file=sys.stderr)
+        return 1
+    for p in report.problems:
+        print(json.dumps(dataclasses.asdict(p)) if args.json else p.line())
+    if args.json:
+        print(json.dumps({"revisions": report.revisions, "shards": report.shards, "ok": report.ok}))
+    else:
+        print(report.summary())
+    return 0 if report.ok else 1
+
+
 def _revisions(args) -> int:
+    if args.revisions_command == "verify":
+        return _verify(args)
     with _open(args) as cat:
         cmd = args.revisions_command
         if cmd == "list":
@@ -132,6 +173,12 @@ def _revisions(args) -> int:
                 "records": [r.path for r in cat.records(revision=meta.id)],
             }
             print(json.dumps(info, indent=None if args.json else 2, sort_keys=True))
+            from mint.hub.integrity import check_revision
+
+            problem = check_revision(cat, meta)
+            if problem is not None and problem.bad:
+                print(f"mint: error: revision {meta.id[:12]}: {problem.what}", file=sys.stderr, flush=True)
+                return 1
         elif cmd == "lineage":
             for m in cat.lineage(args.rev, args.limit):
                 print(json.dumps(m.to_dict()) if args.json else _line(m))

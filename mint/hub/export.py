@@ -111,20 +111,19 @@ def check_base(meta: RevisionMeta, base_path: str) -> None:
 
 
 def export_peft(catalog: Catalog, ref: str, out: str | Path, base: str | None = None, link: bool = False) -> Path:
-    """Write the revision as a PEFT adapter directory (hash verified first). `base` overrides
-    base_model_name_or_path; `link` hard-links the tensors file to the catalog's (same bytes, no copy)."""
-    _, meta = catalog.load(ref)  # verifies the hash before anything is written
-    src = catalog.revision_dir(meta.id) / ADAPTER_FILE
+    """Write the revision as a PEFT adapter directory: an independent copy of the bytes whose hash was just checked.
+    `base` overrides base_model_name_or_path.
+
+    `link` is accepted and ignored. It used to hard-link the tensors file to the catalog's, which made one corrupt byte
+    corrupt both copies (read-only modes do not stop root); an export now never shares a file with the catalog.
+    """
+    del link
+    data, meta = catalog.adapter_bytes(ref)  # verifies the hash before anything is written
     config = dict(meta.lora_config)
     if base is not None:
         config["base_model_name_or_path"] = base
     with _atomic_dir(Path(out)) as tmp:
-        try:
-            if not link:
-                raise OSError
-            os.link(src, tmp / ADAPTER_FILE)
-        except OSError:
-            shutil.copyfile(src, tmp / ADAPTER_FILE)
+        (tmp / ADAPTER_FILE).write_bytes(data)
         _write_json(tmp / CONFIG_FILE, config)
         _write_json(tmp / META_FILE, _meta_record(meta, "peft"))
     return Path(out)

@@ -34,7 +34,7 @@ from safetensors.torch import save as st_save
 
 from mint.errors import MintError
 from mint.hub.catalog import Catalog, RecordShard
-from mint.hub.revisions import fsync_dir
+from mint.hub.revisions import READ_ONLY, fsync_dir
 
 FORMAT = "mint.rollout_records/1"
 MODES = ("full", "no_routes", "off")
@@ -139,7 +139,7 @@ def pack(results: Sequence, run: str, step: int, revision: str, mode: str = "ful
 def write_step(
     catalog: Catalog, run: str, step: int, revision: str, results: Sequence, mode: str = "full"
 ) -> RecordShard | None:
-    """Write one step's shard atomically (temp file, fsync, rename) and index it; None when mode is "off"."""
+    """Write one step's shard atomically (temp file, fsync, read-only, rename) and index it; None for mode "off"."""
     if mode == "off" or not results:
         return None
     tensors, meta = pack(results, run, step, revision, mode)
@@ -153,6 +153,7 @@ def write_step(
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, READ_ONLY)
         os.replace(tmp, target)
         fsync_dir(target.parent)
     except BaseException:

@@ -6,9 +6,10 @@ A revision on disk is a PEFT adapter directory plus Mint's metadata:
     adapter_config.json         PEFT's LoraConfig, so `PeftModel.from_pretrained(base, dir)` loads it unchanged
     mint_revision.json          id, parent, step, run, recipe hash, base model + fingerprint, metrics, created
 
-Writes go to a temporary sibling directory; every file is fsynced, the directory is renamed into place, and the parent
-directory is fsynced, so a reader sees a whole revision or none. Reads recompute the id from the tensors and refuse a
-file whose hash differs or that does not parse (a partial or corrupt write) with a one-line `MintError`.
+Writes go to a temporary sibling directory; every file is fsynced and made read-only (0o444), the directory is renamed
+into place, and the parent directory is fsynced, so a reader sees a whole revision or none. The directory itself stays
+writable, so gc can delete it. Reads recompute the id from the tensors and refuse a file whose hash differs or that
+does not parse (a partial or corrupt write) with a one-line `MintError`.
 
 The index over many revisions (lineage, tags, latest per run) is `mint.hub.catalog`; this module is the file format.
 """
@@ -38,6 +39,9 @@ from mint.errors import MintError
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 META_FILE = "mint_revision.json"
+# Files in a catalog are never written again once in place. Read-only says so to every tool that opens them; it does not
+# stop root (tests run as root), which is why exports copy instead of hard-linking: see export_peft.
+READ_ONLY = 0o444
 
 # Base fingerprint: this many tensors, evenly spaced over the sorted names, each hashed over its first 16 MiB. Reading
 # 8 x 16 MiB costs well under a second even for a 60 GB checkpoint, and a changed or re-quantized base still changes
@@ -60,6 +64,24 @@ def revision_id(tensors: dict[str, torch.Tensor]) -> str:
         h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def nonfinite_counts(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """key -> number of NaN or inf values, for the tensors that hold any, in key order (the order of the id)."""
+    out = {}
+    for key in sorted(tensors):
+        t = tensors[key].detach()
+        if t.is_floating_point() or t.is_complex():
+            n = int(torch.isfinite(t).logical_not().sum().item())
+            if n:
+                out[key] = n
+    return out
+
+
+def describe_nonfinite(counts: dict[str, int]) -> str:
+    """One phrase for `nonfinite_counts`: the total, and the first tensor (in key order) that holds any."""
+    first = next(iter(counts))
+    return f"{sum(counts.values()):,} non-finite values (NaN or inf), first in {first} ({counts[first]:,})"
 
 
 def to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -145,6 +167,8 @@ def write_revision_dir(
         _fsync_write(tmp / CONFIG_FILE, json.dumps(adapter_config, indent=2, sort_keys=True).encode())
         record = {"created": time.time(), **meta, "id": rev}
         _fsync_write(tmp / META_FILE, json.dumps(record, indent=2, sort_keys=True).encode())
+        for name in (ADAPTER_FILE, CONFIG_FILE, META_FILE):
+            os.chmod(tmp / name, READ_ONLY)
         fsync_dir(tmp)
         try:
             os.rename(tmp, target)
@@ -174,19 +198,38 @@ def read_revision_dir(
         meta = json.loads((path / META_FILE).read_text())
     except (OSError, ValueError) as err:
         raise MintError(f"{path}: unreadable revision metadata ({_one_line(err)})") from None
+    tensors = _parse_adapter(path / ADAPTER_FILE, lambda: st_load_file(str(path / ADAPTER_FILE)))
+    _check_id(path, tensors, expect_id or meta.get("id"))
+    return tensors, adapter_config, meta
+
+
+def read_adapter_bytes(path: Path, expect_id: str) -> bytes:
+    """The raw bytes of a revision directory's tensors file, after checking that they parse and hash to `expect_id`.
+
+    An export writes exactly these bytes, so its copy is the one that was checked (a second read could differ).
+    """
+    path = Path(path)
     try:
-        tensors = st_load_file(str(path / ADAPTER_FILE))
+        data = (path / ADAPTER_FILE).read_bytes()
+    except OSError as err:
+        raise MintError(f"{path}: not a complete revision ({ADAPTER_FILE}: {err.strerror})") from None
+    _check_id(path, _parse_adapter(path / ADAPTER_FILE, lambda: st_load(data)), expect_id)
+    return data
+
+
+def _parse_adapter(file: Path, load) -> dict[str, torch.Tensor]:
+    try:
+        return load()
     except Exception as err:  # safetensors raises its own error type for a truncated or garbled file
-        raise MintError(
-            f"{path / ADAPTER_FILE}: unreadable safetensors, partial or corrupt write ({_one_line(err)})"
-        ) from None
-    expected = expect_id or meta.get("id")
+        raise MintError(f"{file}: unreadable safetensors, partial or corrupt write ({_one_line(err)})") from None
+
+
+def _check_id(path: Path, tensors: dict[str, torch.Tensor], expected: str | None) -> None:
     actual = revision_id(tensors)
     if actual != expected:
         raise MintError(
             f"{path}: tensors hash to {actual[:12]}, not revision {str(expected)[:12]}; corrupt, refusing to load"
         )
-    return tensors, adapter_config, meta
 
 
 # ---- base fingerprint -------------------------------------------------------------------------------------------
