@@ -4,12 +4,13 @@ import dataclasses
 import pickle
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 
 from mint.cli import main
-from mint.config import Config, ConfigError, all_keys, build_config, config_markdown, load_config
+from mint.config import SECTIONS, Config, ConfigError, all_keys, build_config, config_markdown, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,3 +147,87 @@ def test_configuration_doc_in_sync():
     assert doc.strip() == config_markdown().strip(), "regenerate with: make docs"
     for key in all_keys():
         assert f"`{key}`" in doc
+
+
+# Issue 10: a drill found learner.lr=nan, lr=inf and rollout.temperature=nan accepted (NaN is neither < nor > any
+# bound), recipes that are a directory or a binary file failing with a traceback, an empty recipe running on all
+# defaults, and an empty logging.name moving the whole runs/ folder aside.
+
+FLOAT_KEYS = [
+    f"{section}.{f.name}"
+    for section, cls in SECTIONS.items()
+    for f in dataclasses.fields(cls)
+    if typing.get_type_hints(cls)[f.name] is float
+]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "+inf"])
+def test_every_float_key_refuses_non_finite_overrides(value):
+    assert len(FLOAT_KEYS) >= 15, FLOAT_KEYS
+    shown = {"nan": "nan", "inf": "inf", "+inf": "inf", "-inf": "-inf"}[value]
+    for key in FLOAT_KEYS:
+        with pytest.raises(ConfigError) as err:
+            build_config({}, [f"{key}={value}"])
+        assert str(err.value) == f"{key}: {shown} is not a finite number"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_floats_in_a_recipe_are_refused(tmp_path, value):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f"[learner]\nlr = 1e-3\n\n[rollout]\ntemperature = {value}\n")
+    with pytest.raises(ConfigError, match=rf"^rollout.temperature: {value} is not a finite number$"):
+        load_config(recipe)
+
+
+def test_large_finite_floats_still_meet_the_range_checks():
+    with pytest.raises(ConfigError, match=r"^learner.lr: 1e\+300 is above the maximum 1.0$"):
+        build_config({}, ["learner.lr=1e300"])
+    assert build_config({}, ["grpo.eps_high=1e300"]).grpo.eps_high == 1e300
+
+
+def test_recipe_that_is_a_directory_binary_or_empty(tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot read the recipe \(.*\); give a TOML file$"):
+        load_config(tmp_path)
+    binary = tmp_path / "model.safetensors"
+    binary.write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(a binary file\?\)"):
+        load_config(binary)
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes("[logging]\nname = 'caf\xe9'\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(latin1)
+    for text in ("", "\n\n", "# only a comment\n"):
+        empty = tmp_path / "empty.toml"
+        empty.write_text(text)
+        with pytest.raises(ConfigError, match=r"the recipe is empty \(no \[section\] table\)"):
+            load_config(empty)
+    one_table = tmp_path / "one_table.toml"
+    one_table.write_text("[grpo]\n")  # a table, even empty, is a recipe: the rest is defaults
+    assert load_config(one_table) == Config()
+
+
+def test_recipe_file_errors_exit_2_with_one_line(tmp_path, capsys):
+    for recipe in (tmp_path, tmp_path / "empty.toml"):
+        (tmp_path / "empty.toml").write_text("")
+        assert main(["train", str(recipe)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"mint: config error: {recipe}: "), err
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../x", "a/b", "/abs", "x/..", "a b", "run\\1", "caf\u00e9", "r\n"])
+def test_logging_name_must_be_a_plain_folder_name(name):
+    with pytest.raises(ConfigError) as err:
+        build_config({"logging": {"name": name}})
+    assert str(err.value) == f"logging.name: {name!r} is not a plain folder name (letters, digits, '.', '_', '-')"
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["mint", "smoke-v2", "run_1.b", ".hidden", "a..b", "-x"])
+def test_plain_logging_names_pass(name):
+    assert build_config({}, [f"logging.name={name}"]).logging.name == name
+
+
+@pytest.mark.parametrize("root", ["", "  "])
+def test_logging_root_must_not_be_empty(root):
+    with pytest.raises(ConfigError, match=r"^logging.root: is empty"):
+        build_config({"logging": {"root": root}})

@@ -1,0 +1,3 @@
+from mint.config.doc import config_markdown
+
+print(config_markdown())

@@ -1,0 +1,163 @@
+"""Loading and validating recipes: TOML plus dotted overrides into a `Config`, or one `ConfigError` line."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+from mint.config.schema import SECTIONS, Config, all_keys
+from mint.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+def _closest(name: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
+def _type_name(tp) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, "a list of strings")
+
+
+def _check_value(key: str, tp, meta: dict, value: Any) -> Any:
+    """Type- and range-check one value; returns it converted (int -> float where a float is expected)."""
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if typing.get_origin(tp) is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
+    elif not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if tp is float and not math.isfinite(value):  # NaN compares false with every bound, so the range checks pass it
+        raise ConfigError(f"{key}: {value!r} is not a finite number")
+    if meta["choices"] and value not in meta["choices"]:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, meta['choices']))}")
+    if meta["min"] is not None and value < meta["min"]:
+        raise ConfigError(f"{key}: {value!r} is below the minimum {meta['min']}")
+    if meta["max"] is not None and value > meta["max"]:
+        raise ConfigError(f"{key}: {value!r} is above the maximum {meta['max']}")
+    if meta["gt"] is not None and value <= meta["gt"]:
+        raise ConfigError(f"{key}: {value!r} must be greater than {meta['gt']}")
+    return value
+
+
+def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in values.items():
+        key = f"{section}.{name}"
+        if name not in fields:
+            raise ConfigError(f"{key}: unknown key{_closest(key, all_keys())}")
+        kwargs[name] = _check_value(key, hints[name], fields[name].metadata, value)
+    return cls(**kwargs)
+
+
+def _parse_override(item: str) -> tuple[str, str]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"{item}: an override must look like section.key=value")
+    return key.strip(), raw.strip()
+
+
+def _override_value(key: str, raw: str) -> Any:
+    """Parse an override's value as TOML (1, 0.5, true, ["a"]), falling back to the raw text for strings."""
+    section, _, name = key.partition(".")
+    tp = typing.get_type_hints(SECTIONS[section]).get(name)
+    if tp is str and not raw.startswith(('"', "'")):
+        return raw  # a path or hub id needs no quotes on the command line
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def build_config(tree: dict[str, Any], overrides: list[str] = ()) -> Config:
+    """Validate a parsed recipe plus dotted overrides into a Config. Raises ConfigError naming the key."""
+    merged: dict[str, dict[str, Any]] = {}
+    for section, values in tree.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{section}: unknown section{_closest(section, list(SECTIONS))}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section}: expected a [{section}] table, got {values!r}")
+        merged[section] = dict(values)
+    for item in overrides:
+        key, raw = _parse_override(item)
+        section, _, name = key.partition(".")
+        if section not in SECTIONS or not name:
+            raise ConfigError(f"{key}: unknown key{_closest(key, all_keys())}")
+        merged.setdefault(section, {})[name] = _override_value(key, raw) if name in _field_names(section) else raw
+    config = Config(**{s: _build_section(s, SECTIONS[s], merged.get(s, {})) for s in SECTIONS})
+    check_consistency(config)
+    return config
+
+
+def _field_names(section: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(SECTIONS[section])}
+
+
+def check_consistency(config: Config) -> None:
+    """Rules that involve more than one key, and the run directory's name (it must stay inside logging.root)."""
+    name = config.logging.name
+    if name in (".", "..") or not re.fullmatch(r"[\w.-]+", name, re.ASCII):
+        raise ConfigError(f"logging.name: {name!r} is not a plain folder name (letters, digits, '.', '_', '-')")
+    if not config.logging.root.strip():
+        raise ConfigError("logging.root: is empty; give the folder that holds run directories (default: runs)")
+    if config.learner.engine == "longstraw" and config.learner.zero_stage == 3:
+        raise ConfigError(
+            "learner.engine: longstraw runs the model piecewise and needs whole weights on each rank; "
+            "use learner.zero_stage = 1 or learner.engine = naive"
+        )
+    if config.learner.engine == "longstraw" and config.learner.zero_stage == 2 and config.learner.num_ranks > 1:
+        # ZeRO-2 reduces gradients inside every backward call; LongStraw makes one call per response and per prompt
+        # chunk, so ranks whose prompts differ in length issue different collectives (gloo aborts, NCCL hangs).
+        # Stage 1 reduces once, at the accumulation boundary. Issue 9.
+        raise ConfigError(
+            "learner.zero_stage: 2 reduces inside every backward and LongStraw runs one per response and prompt "
+            "chunk, so ranks would disagree; use learner.zero_stage = 1 (LoRA gradients are small)"
+        )
+    if config.ray.learner_gpus == 0 and config.model.dtype == "float16":
+        raise ConfigError("model.dtype: float16 needs a GPU learner (ray.learner_gpus > 0); use float32 or bfloat16")
+    if config.model.dtype == "float16" and config.learner.zero_stage == 0:
+        # DeepSpeed 0.19's stage-0 fp16 optimizer is not scaled inside engine.backward (only ZeRO optimizers are),
+        # so fp16 gradients would run unscaled and underflow; stages 1-2 scale, and LongStraw's exact mode
+        # accounts for that scale (mint.train.inner_step.StepContext.backward).
+        raise ConfigError("model.dtype: float16 needs learner.zero_stage >= 1 (loss scaling); or use bfloat16")
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Load a TOML recipe (a UTF-8 file with at least one table) and apply `section.key=value` overrides."""
+    path = Path(path)
+    try:
+        tree = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: recipe not found") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text (a binary file?); a recipe is a TOML file") from None
+    except OSError as e:  # a directory, a file we may not read
+        raise ConfigError(f"{path}: cannot read the recipe ({e.strerror}); give a TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    if not tree:
+        raise ConfigError(f"{path}: the recipe is empty (no [section] table); start from recipes/smoke.toml")
+    return build_config(tree, overrides)
+
+
+def run_dir(config: Config) -> Path:
+    """Where a run writes metrics, adapters and the resolved config."""
+    return Path(config.logging.root) / config.logging.name
+
+
+def norm_constant(config: Config) -> int:
+    """Dr.GRPO's constant normalizer per response: the most tokens a response may have."""
+    return config.rollout.max_tokens

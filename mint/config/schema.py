@@ -1,0 +1,295 @@
+"""The recipe schema: one frozen dataclass per [section], each field a `knob` with its default, help and range.
+
+Derived values come from pure functions (mint.config.load), never by rewriting a config in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def knob(default: Any, help: str, *, min: float | None = None, max: float | None = None, choices=None, gt=None):
+    """A config field: default, help string, and the range or choices validated at load."""
+    meta = {"help": help, "min": min, "max": max, "gt": gt, "choices": tuple(choices) if choices else None}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = knob(
+        "tiny:qwen3_moe",
+        "Base model: a hub id, a local directory, or tiny:qwen3_moe / tiny:qwen2_moe "
+        "for the embedded tiny bases (built locally and cached, never downloaded).",
+    )
+    dtype: str = knob(
+        "float32", "Dtype of the frozen base and the LoRA weights.", choices=("float32", "bfloat16", "float16")
+    )
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = knob(8, "LoRA rank r.", min=1, max=1024)
+    alpha: float = knob(16.0, "LoRA alpha; the update is scaled by alpha / rank.", gt=0)
+    dropout: float = knob(0.0, "Dropout on the LoRA input.", min=0.0, max=0.9)
+    target_modules: list[str] = knob(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], "Linear modules that get LoRA (attention projections by default)."
+    )
+    target_experts: bool = knob(
+        True, "Also put LoRA on the fused 3-D routed experts (gate_up_proj, down_proj) through PEFT target_parameters."
+    )
+    init: str = knob(
+        "",
+        "Warm start: a revision whose LoRA weights start this run (with a fresh optimizer): a ref in the run's "
+        "catalog (id, id prefix, name, RUN@STEP) or a revision directory (an exported adapter); empty: PEFT's init.",
+    )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = knob(
+        "synthetic:first_last",
+        "Prompts: synthetic:<task> for a built-in task, or a .jsonl / .parquet file with prompt and answer fields.",
+    )
+    prompt_key: str = knob("prompt", "Field holding the prompt (the user message) in a file dataset.")
+    answer_key: str = knob("answer", "Field holding the reference answer in a file dataset.")
+    reward: str = knob("exact_match", "Reward function: a built-in name (exact_match, math) or pkg.module:fn.")
+    system_prompt: str = knob("", "System message put before every prompt; empty for none.")
+    truncate_prompts: bool = knob(
+        False,
+        "A prompt longer than the model's context minus rollout.max_tokens: false refuses the run before it starts, "
+        "true keeps its last tokens.",
+    )
+    max_reward_error_frac: float = knob(
+        0.5, "Stop the run when more than this fraction of a step's samples raised in the reward function.", min=0.0
+    )
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    group_size: int = knob(
+        8, "G: responses sampled per prompt; advantages are relative within the group.", min=2, max=1024
+    )
+    prompts_per_step: int = knob(8, "Prompts (groups) per optimizer step.", min=1)
+    max_tokens: int = knob(8, "Most tokens generated per response.", min=1)
+    temperature: float = knob(
+        1.0, "Sampling temperature; the learner scores tokens at the same temperature.", gt=0.0, max=10.0
+    )
+    top_p: float = knob(1.0, "Nucleus sampling mass; 1.0 samples from the whole distribution.", gt=0.0, max=1.0)
+    stop_tokens: list[str] = knob(
+        [],
+        "Extra tokens that end a response (the model's end-of-turn token always does). "
+        "Each must be a single token of the tokenizer.",
+    )
+    num_actors: int = knob(1, "Rollout actors; prompts are spread across them.", min=1)
+    max_restarts: int = knob(
+        3, "Times Ray restarts a dead rollout actor (it reloads the current revision and redoes its shard).", min=0
+    )
+
+
+@dataclass(frozen=True)
+class GrpoConfig:
+    steps: int = knob(60, "Optimizer steps in the run.", min=1)
+    seed: int = knob(0, "Seed for data order, sampling and LoRA init.", min=0)
+    scale_std: bool = knob(True, "Divide advantages by the group's reward std (GRPO); false gives Dr.GRPO.")
+    eps_low: float = knob(0.2, "PPO clip below: the ratio is clipped at 1 - eps_low.", min=0.0, max=1.0)
+    eps_high: float = knob(0.28, "PPO clip above (clip-higher): the ratio is clipped at 1 + eps_high.", min=0.0)
+    loss_agg: str = knob(
+        "token-mean",
+        "Loss aggregation: token-mean (DAPO), seq-mean-token-mean, or constant "
+        "(Dr.GRPO: token sum over groups x rollout.max_tokens).",
+        choices=("token-mean", "seq-mean-token-mean", "constant"),
+    )
+    kl_coef: float = knob(
+        0.0,
+        "Weight of the k3 KL to the reference (the base with the adapter disabled); 0 skips the reference pass.",
+        min=0.0,
+    )
+    filter_zero_variance: bool = knob(False, "Drop groups whose rewards are all equal: their advantage is 0.")
+    r3: bool = knob(
+        True,
+        "Rollout routing replay: the learner reuses the expert ids the rollout chose; tokens "
+        "whose route is missing or unmappable get weight 0 (counted by reason).",
+    )
+    icepop: bool = knob(
+        True, "IcePop: tokens whose learner/rollout probability ratio leaves [icepop_alpha, icepop_beta] get weight 0."
+    )
+    icepop_alpha: float = knob(0.5, "Lower edge of the trusted ratio band (inclusive).", gt=0.0, max=1.0)
+    icepop_beta: float = knob(5.0, "Upper edge of the trusted ratio band (inclusive).", min=1.0)
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    num_ranks: int = knob(2, "Learner actors forming one torch.distributed group (gloo on CPU, nccl on GPU).", min=1)
+    zero_stage: int = knob(
+        1,
+        "DeepSpeed ZeRO stage: 1 shards the optimizer state; 2 also the gradients (naive engine only across ranks: it "
+        "reduces inside every backward); 3 also the frozen base (naive engine only).",
+        min=0,
+        max=3,
+    )
+    lr: float = knob(5e-3, "AdamW learning rate for the LoRA parameters.", gt=0.0, max=1.0)
+    weight_decay: float = knob(0.0, "AdamW weight decay.", min=0.0)
+    grad_clip: float = knob(1.0, "Global gradient-norm clip; 0 disables.", min=0.0)
+    epochs: int = knob(
+        1, "Passes over each step's rollouts (PPO epochs); above 1 the clip starts to matter.", min=1, max=16
+    )
+    engine: str = knob(
+        "longstraw",
+        "Inner step: longstraw (prompt captured once, responses replayed one at a time, "
+        "memory bounded by the longest response) or naive (one padded full-sequence forward per "
+        "group).",
+        choices=("longstraw", "naive"),
+    )
+
+
+@dataclass(frozen=True)
+class LongStrawConfig:
+    mode: str = knob(
+        "exact",
+        "exact: the gradient equals full-sequence backprop; detached: the prompt's K/V are "
+        "constants (response-only objective, no prompt backward); resident: detached with the prompt "
+        "capture kept across steps for a recurring prompt (stale by design). See docs/longstraw.md.",
+        choices=("exact", "detached", "resident"),
+    )
+    chunk_size: int = knob(
+        1024, "Prompt positions per capture chunk (and per prompt-backward chunk in exact mode).", min=1
+    )
+    max_prefix_age: int = knob(
+        0, "resident: recapture a prompt once its capture has served this many steps; 0 never recaptures.", min=0
+    )
+    kernels: str = knob(
+        "auto",
+        "Which implementation of LongStraw's kernels (prefix attention, fused frozen-head logprob) runs: auto "
+        "is Triton on CUDA and their torch reference on CPU; on forces Triton, off the reference.",
+        choices=("auto", "on", "off"),
+    )
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str = knob("", "Ray cluster to join (e.g. auto or ray://host:10001); empty starts a local one.")
+    learner_cpus: float = knob(1.0, "CPUs reserved per learner rank.", gt=0.0)
+    learner_gpus: float = knob(0.0, "GPUs per learner rank; 0 runs the learner on CPU.", min=0.0)
+    rollout_cpus: float = knob(1.0, "CPUs reserved per rollout actor.", gt=0.0)
+    rollout_gpus: float = knob(0.0, "GPUs per rollout actor.", min=0.0)
+    torch_threads: int = knob(1, "torch threads per actor; keep actors x threads <= cores.", min=1)
+    placement: str = knob(
+        "PACK", "Placement-group strategy for the actors.", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+    )
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    name: str = knob("mint", "Run name; the run directory is <root>/<name>.")
+    root: str = knob("runs", "Folder that holds run directories.")
+    wandb: bool = knob(False, "Log to Weights & Biases (offline unless WANDB_API_KEY or WANDB_MODE says otherwise).")
+    wandb_project: str = knob("mint", "wandb project name.")
+    progress: bool = knob(True, "Show a progress bar on stderr.")
+
+
+@dataclass(frozen=True)
+class MintConfig:
+    catalog: str = knob(
+        "",
+        "Revision catalog the run publishes every step's revision to (several runs may share one); "
+        "empty means <run dir>/catalog.",
+    )
+    save_every: int = knob(
+        1,
+        "Also export the revision as a PEFT adapter directory in <run dir>/adapters every N steps "
+        "(the last step always).",
+        min=1,
+    )
+    keep_last: int = knob(
+        0,
+        "Retention: revisions of this run whose tensors stay in the catalog (the N latest, plus tagged and named "
+        "ones; entries and lineage always stay), and adapter directories kept in <run dir>/adapters. 0 keeps all.",
+        min=0,
+    )
+    rollout_records: str = knob(
+        "full",
+        "Rollout records kept per step in the catalog (tokens, logprobs, rewards, linked to the sampling revision): "
+        "full (with R3 routes), no_routes, or off.",
+        choices=("full", "no_routes", "off"),
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = knob(
+        25,
+        "Write a resumable checkpoint (every rank's optimizer state, the data position, RNGs, metrics) every N steps "
+        "and at the end; 0 only at the end. `mint train RECIPE --resume` continues from the latest one.",
+        min=0,
+    )
+    keep_last: int = knob(2, "Complete checkpoints kept in <run dir>/checkpoints (older ones are deleted).", min=1)
+    max_restarts: int = knob(
+        2,
+        "Times the driver restarts the actors from the latest checkpoint after a learner rank dies, before it "
+        "stops (rollout actors are restarted by Ray on their own).",
+        min=0,
+    )
+    max_bad_steps: int = knob(
+        3, "Consecutive steps with a non-finite loss or gradient (skipped, never published) that stop the run.", min=1
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    longstraw: LongStrawConfig = field(default_factory=LongStrawConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    mint: MintConfig = field(default_factory=MintConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of the whole config: the recipe hash recorded with each revision."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    def result_digest(self) -> str:
+        """sha256 of the keys that can change what a run computes: every key except RESULT_NEUTRAL ones (how long
+        it runs, where and how it logs and checkpoints). `--resume` refuses a recipe whose result digest differs."""
+        tree = self.to_dict()
+        for key in RESULT_NEUTRAL:
+            section, _, name = key.partition(".")
+            if name == "*":
+                tree.pop(section, None)
+            else:
+                tree[section].pop(name, None)
+        return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
+
+
+# Keys a resumed run may change: they decide how long a run goes and where it writes, never what a step computes.
+RESULT_NEUTRAL = (
+    "grpo.steps",
+    "logging.*",
+    "checkpoint.*",
+    "mint.save_every",
+    "mint.keep_last",
+    "ray.address",
+    "ray.placement",
+)
+
+
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+
+def all_keys() -> list[str]:
+    """Every dotted key, in declaration order."""
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
