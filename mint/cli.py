@@ -1,8 +1,9 @@
-"""`mint` command line: `mint train RECIPE [section.key=value ...]`, `mint keys`, and the catalog's commands
-(`mint revisions list|show|lineage|tag|gc`, `mint export`, `mint serve`; see mint/revisions_cli.py).
+"""`mint` command line: `mint train RECIPE [section.key=value ...] [--resume]`, `mint keys`, and the catalog's
+commands (`mint revisions list|show|lineage|tag|gc|verify`, `mint export`, `mint serve`; see mint/hub/cli.py).
 
-A MintError (bad recipe, bad data path, unknown reward...) prints one line and exits 2 for configuration errors,
-1 otherwise; no traceback. The last line of a training run's stdout is one JSON object: the run summary.
+A MintError (bad recipe, bad data path, unknown reward...), raised here or inside a Ray actor, prints one line and
+exits 2 for configuration errors, 1 otherwise; no traceback. Ctrl-C exits 130 (docs/reliability.md). The last line
+of a training run's stdout is one JSON object: the run summary.
 """
 
 from __future__ import annotations
@@ -23,13 +24,22 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run a GRPO recipe")
     train.add_argument("recipe", help="path to a TOML recipe, e.g. recipes/smoke.toml")
     train.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
+    train.add_argument(
+        "--resume", action="store_true", help="continue <logging.root>/<logging.name> from its latest checkpoint"
+    )
     sub.add_parser("keys", help="list every recipe key with its default and help")
     add_parsers(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # parse_known_args: overrides may also follow --resume (argparse stops a nargs="*" positional at a flag).
+    args, extra = parser.parse_known_args(argv)
+    if extra and (args.command != "train" or any(a.startswith("-") for a in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides += extra
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         if args.command in ("revisions", "export", "serve"):
@@ -42,17 +52,39 @@ def main(argv: list[str] | None = None) -> int:
         from mint.config import load_config
 
         config = load_config(args.recipe, args.overrides)
+        from mint.train.preflight import preflight
+
+        checked = preflight(config)  # model, tokenizer, data, reward, stop tokens: before Ray is even imported
         from mint.train.driver import train  # heavy imports (ray, deepspeed) only once the recipe is valid
 
-        summary = train(config)
-    except ConfigError as e:
-        print(f"mint: config error: {e}", file=sys.stderr)
-        return 2
+        summary = train(config, resume=args.resume, checked=checked)
+    except KeyboardInterrupt:
+        print("mint: interrupted; the step in flight was not checkpointed (resume with --resume)", file=sys.stderr)
+        return 130
     except MintError as e:
-        print(f"mint: error: {e}", file=sys.stderr)
-        return 1
+        cause = _cause(e)
+        kind = "config error" if isinstance(cause, ConfigError) else "error"
+        print(f"mint: {kind}: {_one_line(cause)}", file=sys.stderr)
+        return 2 if isinstance(cause, ConfigError) else 1
     print(json.dumps(summary), flush=True)
+    if summary.get("interrupted"):
+        print(
+            f"mint: interrupted after step {summary['steps']}; checkpoint {summary['checkpoint']}; "
+            f"continue with: mint train {args.recipe} --resume",
+            file=sys.stderr,
+        )
+        return 130
     return 0
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The MintError itself, also when Ray wrapped it on its way out of an actor (RayTaskError keeps it as .cause)."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, MintError) else e
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 if __name__ == "__main__":

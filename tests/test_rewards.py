@@ -154,7 +154,9 @@ def test_score_contains_failures(caplog):
     responses = ["ok", "raise", "nan", "inf", "str", "none", "ok"]
     with caplog.at_level(logging.WARNING, logger="mint.rl.rewards"):
         result = score(flaky, responses, ["x"] * len(responses))
-    assert result == RewardResult([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0], errors=5, clipped=0)
+    assert result == RewardResult(
+        [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0], errors=5, clipped=0, first_error="ZeroDivisionError: bad sample"
+    )
     (record,) = caplog.records  # one line per batch, not one per failure
     assert "ZeroDivisionError: bad sample" in record.getMessage() and "5 of 7" in record.getMessage()
 

@@ -5,8 +5,9 @@ import json
 import torch
 
 from mint.config import build_config
-from mint.train.driver import plan_step, prepare_run_dir, summarize
+from mint.train.driver import prepare_run_dir, summarize
 from mint.train.learner import GroupBatch
+from mint.train.step import plan_step
 
 
 def _group(lengths: list[int]) -> GroupBatch:

@@ -142,6 +142,7 @@ class RewardResult:
     rewards: list[float]
     errors: int = 0
     clipped: int = 0
+    first_error: str = ""  # the first failure, one line ("TypeError: ..."), empty when none failed
 
 
 def score(fn: RewardFn, responses: list[str], answers: list[str]) -> RewardResult:
@@ -175,7 +176,7 @@ def score(fn: RewardFn, responses: list[str], answers: list[str]) -> RewardResul
         logger.warning(
             "reward %s failed on %d of %d samples (scored 0.0); first: %s", name, errors, len(rewards), first_failure
         )
-    return RewardResult(rewards, errors, clipped)
+    return RewardResult(rewards, errors, clipped, first_failure)
 
 
 def _one_line(e: BaseException) -> str:

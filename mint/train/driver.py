@@ -1,211 +1,295 @@
 """The driver: one GRPO run, top to bottom.
 
-    prompts -> RolloutActors (sample G, score rewards) -> group advantages -> LearnerActors (one optimizer step)
-            -> publish the new adapter revision -> RolloutActors hot-load it -> log
+    checks (before anything is touched) -> run directory -> Ray and the actors -> [restore a checkpoint]
+    -> per step: prompts -> RolloutActors (sample G, score rewards) -> group advantages
+                 -> LearnerActors (one optimizer step; a non-finite one is skipped) -> publish the revision
+                 -> rollout actors hot-load it -> log -> every checkpoint.every steps, a checkpoint
+    -> final checkpoint and summary
 
-Weight sync *is* revision publish: each step's LoRA tensors become a revision in the catalog (<run>/catalog by
-default, with lineage and the step's rollout records), travel as safetensors bytes with their id through the Ray
-object store, and every `save_every` steps are also exported to <run>/adapters as a PEFT adapter directory.
+What survives what (docs/reliability.md): a dead rollout actor is restarted by Ray and redoes its shard; a dead
+learner rank restarts the actors from the latest checkpoint (checkpoint.max_restarts times); a killed driver resumes
+with `mint train RECIPE --resume`; Ctrl-C finishes the step in flight, checkpoints, and exits 130 (twice: at once).
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import math
-import os
-import shutil
+import signal
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-import torch
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from longstraw.trust import TrustCounts
 from mint.config import Config, run_dir
-from mint.hub import Catalog, catalog_dir, from_bytes
+from mint.errors import ConfigError, MintError
+from mint.hub import Catalog, catalog_dir
 from mint.models.tiny import resolve_model_path
 from mint.rl.data import load_dataset
-from mint.rl.grpo import group_advantages_batch, zero_variance_mask
-from mint.train.learner import GroupBatch, LearnerActor, MicroStep, StepPlan
+from mint.train import checkpoint
+from mint.train.checkpoint import RunState
+from mint.train.cluster import Cluster, LearnerDied, gather, load_revision, rollout, start_cluster, start_ray
 from mint.train.metrics import RunLogger
-from mint.train.rollout_actor import GroupResult, RolloutActor
+from mint.train.preflight import Preflight, preflight
+from mint.train.step import Revision, learn, learner_revision, make_batches, publish, save_revision
+
+__all__ = ["prepare_run_dir", "summarize", "train"]
+
+
+class Interrupt:
+    """Ctrl-C: the first asks the run to stop after the step in flight (checkpointed, exit 130); a second one
+    stops at once. Installed only in the main thread (signal handlers live there)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> Interrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("mint: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again stops now)", file=sys.stderr)
 
 
 @dataclass
-class Cluster:
-    """The actors of one run and the placement group that holds them."""
+class Run:
+    """What stays fixed across the learner group's restarts."""
 
-    learners: list
-    rollouts: list
-    pg: object
+    config: Config
+    out: Path
+    model_path: str
+    init_lora: bytes | None
     started_ray: bool
-
-    def close(self) -> None:
-        for actor in self.learners + self.rollouts:
-            ray.kill(actor)
-        remove_placement_group(self.pg)
-        if self.started_ray:
-            ray.shutdown()
+    interrupt: Interrupt
+    t_start: float
 
 
-@dataclass
-class Revision:
-    id: str
-    step: int
-    data: bytes = field(repr=False)
-    parent: str | None = None
-
-
-def start_cluster(config: Config, model_path: str) -> Cluster:
-    """Start (or join) Ray, reserve one bundle per actor, create the actors and wire the learner's process group."""
-    r = config.ray
+def train(config: Config, resume: bool = False, checked: Preflight | None = None) -> dict:
+    """Run GRPO for `config.grpo.steps` steps (continuing the run's latest checkpoint with `resume`). Returns the
+    run summary, also written to <run>/summary.json. `checked`: the recipe's preflight, when the caller ran it."""
+    t_start = time.time()
+    if checked is None:
+        preflight(config)  # every check that needs the recipe's inputs, before anything is written or started
+    model_path = resolve_model_path(config.model.path)
+    out = open_run_dir(config, resume)
+    init_lora = warm_start(config) if not resume else None
     started = False
-    if not ray.is_initialized():
-        n_bundles = config.learner.num_ranks * r.learner_cpus + config.rollout.num_actors * r.rollout_cpus
-        # A local cluster gets at least one logical CPU per bundle: tiny actors share 2 cores fine.
-        local_cpus = max(os.cpu_count() or 1, math.ceil(n_bundles))
-        kwargs = dict(address=r.address) if r.address else dict(num_cpus=local_cpus)
-        # Actor logs stay in Ray's session folder: the driver's stdout ends with one JSON line, nothing after it.
-        ray.init(include_dashboard=False, log_to_driver=False, **kwargs)
-        started = True
-    learner_bundle = {"CPU": r.learner_cpus, **({"GPU": r.learner_gpus} if r.learner_gpus else {})}
-    rollout_bundle = {"CPU": r.rollout_cpus, **({"GPU": r.rollout_gpus} if r.rollout_gpus else {})}
-    bundles = [learner_bundle] * config.learner.num_ranks + [rollout_bundle] * config.rollout.num_actors
-    pg = placement_group(bundles, strategy=r.placement)
-    ray.get(pg.ready())
-
-    def on(i: int, resources: dict):
-        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-        return dict(num_cpus=resources["CPU"], num_gpus=resources.get("GPU", 0), scheduling_strategy=strategy)
-
-    # The actor classes stay plain classes (importable, so Ray pickles their methods by reference) and become
-    # actors here.
-    n = config.learner.num_ranks
-    learner_cls, rollout_cls = ray.remote(LearnerActor), ray.remote(RolloutActor)
-    learners = [learner_cls.options(**on(i, learner_bundle)).remote(config, model_path, i, n) for i in range(n)]
-    rollouts = [
-        rollout_cls.options(**on(n + j, rollout_bundle)).remote(config, model_path)
-        for j in range(config.rollout.num_actors)
-    ]
-    addr, port = ray.get(learners[0].address.remote())
-    ray.get([learner.setup.remote(addr, port) for learner in learners])
-    return Cluster(learners, rollouts, pg, started)
+    with Interrupt() as interrupt:
+        try:
+            started = start_ray(config)
+            run = Run(config, out, model_path, init_lora, started, interrupt, t_start)
+            return _with_restarts(run)
+        finally:
+            if started and ray.is_initialized():
+                ray.shutdown()  # the processes this run started go with it: normal end, error or Ctrl-C
 
 
-@functools.lru_cache(maxsize=8)
-def _fingerprint(model_path: str) -> str:
-    """The base's fingerprint, read from its files once per run, not every step (up to 128 MiB of reads)."""
-    from mint.hub import base_fingerprint
+def _with_restarts(run: Run) -> dict:
+    """Sessions of actors; a dead learner rank ends one, and the next starts from the latest checkpoint."""
+    restarts = 0
+    while True:
+        try:
+            return _session(run, restarts)
+        except LearnerDied as err:
+            latest = checkpoint.latest(run.out)
+            where = f"the checkpoint {latest}" if latest else "the start (no checkpoint yet)"
+            if restarts >= run.config.checkpoint.max_restarts:
+                raise MintError(
+                    f"{err}; gave up after {restarts} restart(s); resume from {where} with `mint train RECIPE --resume`"
+                ) from None
+            restarts += 1
+            print(
+                f"mint: {err}; restarting the actors from {where} ({restarts}/{run.config.checkpoint.max_restarts})",
+                file=sys.stderr,
+            )
 
-    return base_fingerprint(model_path)
 
-
-def publish(
-    cluster: Cluster,
-    store: Catalog,
-    config: Config,
-    model_path: str,
-    adapter_config: dict,
-    step: int,
-    parent: Revision | None,
-    results: list[GroupResult] | None = None,
-    metrics: dict | None = None,
-) -> Revision:
-    """Publish the learner's LoRA state as a catalog revision and hot-load it into every rollout actor by id.
-
-    The step's rollout records (sampled with `parent`) are stored beside it. Weight sync *is* this publish: the
-    actors receive the id with the safetensors bytes and refuse bytes that do not hash to it. An update that left
-    the adapter unchanged (same id as the parent) publishes nothing new and returns the parent.
-    """
-    from mint.hub import write_step
-
-    data = ray.get([learner.lora_state_bytes.remote() for learner in cluster.learners])[0]
-    tensors = from_bytes(data)
-    run = config.logging.name
-    if results and parent is not None:
-        write_step(store, run, step, parent.id, results, config.mint.rollout_records)
-    meta = store.put(  # returns the existing entry, writing nothing, for tensors already in the catalog
-        tensors,
-        adapter_config,
-        run=run,
-        step=step,
-        parent=parent.id if parent is not None else None,
-        recipe_hash=config.digest(),
-        base_model=config.model.path,
-        base_fingerprint=_fingerprint(model_path),
-        metrics=metrics or {},
+def _session(run: Run, restarts: int) -> dict:
+    """Start the actors, restore the latest checkpoint if there is one, and train to the end (or to Ctrl-C)."""
+    config, out = run.config, run.out
+    latest = checkpoint.latest(out)
+    state = checkpoint.read(latest, config.result_digest()) if latest else RunState()
+    state.restarts = max(state.restarts, restarts)
+    checkpoint.truncate_metrics(out, state.step)
+    cluster = start_cluster(config, run.model_path, run.started_ray, None if latest else run.init_lora)
+    store = Catalog(catalog_dir(config))
+    logger = RunLogger(config, out, initial=state.step)
+    try:
+        adapter_config = ray.get(cluster.learners[0].adapter_config.remote(run.model_path))
+        if latest:
+            gather(
+                [lr.load_checkpoint.remote(str(latest), state.revision) for lr in cluster.learners], cluster, "restore"
+            )
+            data, _ = learner_revision(cluster)
+            rev = Revision(state.revision, state.step, data)
+            load_revision(cluster, rev.id, ray.put(data))
+        else:
+            rev = publish(cluster, store, config, run.model_path, adapter_config, 0, None)
+            state.revision = rev.id
+        rev = _steps(run, cluster, store, logger, adapter_config, state, rev)
+        if state.step and (latest is None or state.step > int(latest.name.removeprefix("step_"))):
+            save_checkpoint(cluster, out, state, config)
+        final_digests = gather([lr.param_digests.remote() for lr in cluster.learners], cluster, "digests")
+    except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of the step in flight, but a summary of the run
+        summary = summarize(state.rewards, state.revision or "", time.time() - run.t_start)
+        summary.update(run_dir=str(out), checkpoint=str(checkpoint.latest(out) or ""), interrupted=True)
+        _write_json(out / "summary.json", summary)
+        raise
+    finally:
+        logger.close()
+        store.close()
+        cluster.close(shutdown=False)
+    summary = summarize(state.rewards, rev.id, time.time() - run.t_start)
+    summary.update(
+        run_dir=str(out),
+        adapter=str(out / "adapters" / f"step_{rev.step:06d}"),
+        checkpoint=str(checkpoint.latest(out) or ""),
+        base_digest=final_digests[0]["base"],
+        lora_digest=final_digests[0]["lora"],
+        skipped_steps=state.skipped_steps,
+        reward_errors=state.reward_errors,
+        restarts=state.restarts,
+        interrupted=run.interrupt.requested and state.step < config.grpo.steps,
     )
-    if parent is not None and meta.id == parent.id:
-        return parent
-    ref = ray.put(data)
-    ray.get([actor.load_adapter.remote(meta.id, ref) for actor in cluster.rollouts])
-    return Revision(meta.id, step, data, parent.id if parent is not None else None)
+    _write_json(out / "summary.json", summary)
+    return summary
 
 
-def run_rollouts(cluster: Cluster, examples: list, seed: int) -> list[GroupResult]:
-    """Spread the step's prompts over the rollout actors; each group stays on one actor (shared prefix)."""
-    n = len(cluster.rollouts)
-    shards = [examples[i::n] for i in range(n)]
-    pairs = zip(cluster.rollouts, shards, strict=True)
-    futures = [actor.rollout.remote(shard, seed * 1000 + i) for i, (actor, shard) in enumerate(pairs) if shard]
-    return [g for shard in ray.get(futures) for g in shard]
+def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapter_config, state: RunState, rev):
+    """The training loop from state.step + 1 to grpo.steps; returns the latest revision."""
+    config, out = run.config, run.out
+    dataset = load_dataset(config.data.source, config.data.prompt_key, config.data.answer_key)
+    stream = dataset.batches(config.rollout.prompts_per_step, config.grpo.seed, start=state.step)
+    data_ref = ray.put(rev.data)
+    while state.step < config.grpo.steps and not run.interrupt.requested:
+        step = state.step + 1
+        t0 = time.time()
+        results = rollout(cluster, next(stream), config.grpo.seed + step, rev.id, data_ref)
+        t_rollout = time.time() - t0
+        _check_rewards(config, step, results, state, logger)
+        batches, rewards_B_G = make_batches(config, results)
+        sums = learn(cluster, batches, step) if batches else {"skipped": False, "bad": False}
+        step_metrics = dict(reward_mean=float(rewards_B_G.mean()), **{k: v for k, v in sums.items() if k != "bad"})
+        if sums["skipped"]:  # nothing changed: nothing to publish
+            state.skipped_steps += 1
+            state.bad_steps = state.bad_steps + 1 if sums["bad"] else 0
+        else:
+            state.bad_steps = 0
+            previous = rev
+            rev = publish(cluster, store, config, run.model_path, adapter_config, step, rev, results, step_metrics)
+            if rev is not previous:
+                data_ref = ray.put(rev.data)
+        state.step, state.revision = step, rev.id
+        state.rewards.append(step_metrics["reward_mean"])
+        logger.log(_metrics(config, step, results, len(batches), rewards_B_G, sums, rev, state, cluster, t0, t_rollout))
+        if state.bad_steps >= config.checkpoint.max_bad_steps:
+            latest = checkpoint.latest(out)
+            raise MintError(
+                f"{state.bad_steps} consecutive steps had a non-finite gradient (skipped, never published; "
+                f"checkpoint.max_bad_steps = {config.checkpoint.max_bad_steps}); the last good checkpoint is "
+                f"{latest or 'none'}; lower learner.lr or check the rewards"
+            )
+        if step % config.mint.save_every == 0 or step == config.grpo.steps:
+            save_revision(config, out, store, rev)
+        if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.grpo.steps:
+            save_checkpoint(cluster, out, state, config)
+    return rev
 
 
-def plan_step(groups: list[GroupBatch], world_size: int) -> list[StepPlan]:
-    """Assign groups to ranks (fewest tokens first) and pad every rank to the same number of micro-steps."""
-    tokens = [sum(len(r) for r in g.responses) for g in groups]
-    loads = [0] * world_size
-    assigned: list[list[GroupBatch]] = [[] for _ in range(world_size)]
-    for i in sorted(range(len(groups)), key=lambda i: -tokens[i]):
-        rank = loads.index(min(loads))
-        assigned[rank].append(groups[i])
-        loads[rank] += tokens[i]
-    n_micro = max(len(a) for a in assigned)
-    total_tokens, total_seqs = sum(tokens), sum(len(g.responses) for g in groups)
-    return [
-        StepPlan(
-            [MicroStep(g, True) for g in a] + [MicroStep(groups[0], False)] * (n_micro - len(a)),
-            total_tokens,
-            total_seqs,
+def _check_rewards(config: Config, step: int, results: list, state: RunState, logger: RunLogger) -> None:
+    """Reward errors are loud: the first in full, then a count per step; too many stop the run."""
+    errors = sum(r.reward_errors for r in results)
+    if not errors:
+        return
+    samples = sum(len(r.rewards_G) for r in results)
+    first = next(r.reward_error for r in results if r.reward_errors)
+    if state.reward_errors == 0:
+        logger.note(f"mint: step {step}: the reward function raised on {errors} of {samples} samples; first: {first}")
+    else:
+        logger.note(f"mint: step {step}: reward errors on {errors} of {samples} samples (scored 0)")
+    state.reward_errors += errors
+    if errors / samples > config.data.max_reward_error_frac:
+        raise MintError(
+            f"reward {config.data.reward!r} raised on {errors} of {samples} samples at step {step} "
+            f"(data.max_reward_error_frac = {config.data.max_reward_error_frac}); first: {first}"
         )
-        for a in assigned
-    ]
 
 
-def to_batches(results: list[GroupResult], adv_B_G: torch.Tensor) -> list[GroupBatch]:
-    return [
-        GroupBatch(
-            prompt_tokens_P=res.rollout.prompt_tokens_P,
-            responses=[c.tokens_R for c in res.rollout.completions],
-            rollout_logprobs=[c.logprobs_R for c in res.rollout.completions],
-            adv_G=adv_B_G[b],
-            prompt_routes_P1_L_K=res.rollout.prompt_routes_P1_L_K,
-            routes=[c.routes_R_L_K for c in res.rollout.completions],
-        )
-        for b, res in enumerate(results)
-    ]
+def _metrics(config, step, results, groups_kept, rewards_B_G, sums, rev, state, cluster, t0, t_rollout) -> dict:
+    tokens = max(sums.get("tokens", 0.0), 1.0)
+    gen_tokens = sum(len(c.tokens_R) for r in results for c in r.rollout.completions)
+    step_s = time.time() - t0
+    return dict(
+        step=step,
+        reward_mean=float(rewards_B_G.mean()),
+        reward_std=float(rewards_B_G.std(unbiased=False)),
+        reward_errors=sum(r.reward_errors for r in results),
+        groups_kept=groups_kept,
+        loss=sums.get("loss", 0.0),
+        kl=sums.get("kl", 0.0) / tokens,
+        clip_frac=sums.get("clipped", 0.0) / tokens,
+        grad_norm=sums.get("grad_norm", 0.0),
+        skipped=int(sums["skipped"]),
+        skipped_steps=state.skipped_steps,
+        restarts=state.restarts,
+        rollout_restarts=cluster.rollout_restarts,
+        logp_diff_max=sums.get("logp_diff_max", 0.0),
+        response_tokens=gen_tokens,
+        response_len_mean=gen_tokens / rewards_B_G.numel(),
+        tokens_per_s=gen_tokens / max(step_s, 1e-9),
+        rollout_s=t_rollout,
+        learn_s=step_s - t_rollout,
+        step_s=step_s,
+        peak_memory_mb=sums.get("peak_memory_mb", 0.0),
+        revision=rev.id,
+        **{k: v for k, v in sums.items() if k.startswith(("masked_", "trust_", "out_of_route", "mismatch"))},
+    )
 
 
-def save_revision(config: Config, out: Path, store: Catalog, rev: Revision) -> Path:
-    """Export the revision as a PEFT adapter directory in <run>/adapters/step_NNNNNN (hard-linked to the catalog's
-    tensors where the filesystem allows), then apply retention: `mint.keep_last` revisions of this run keep their
-    tensors in the catalog (plus tagged and named ones; entries and lineage stay) and as adapter directories."""
-    from mint.hub import export_peft
+def save_checkpoint(cluster: Cluster, out: Path, state: RunState, config: Config) -> Path:
+    """Every rank writes its part into a .partial directory, then the driver commits it (mint.train.checkpoint)."""
+    partial = checkpoint.begin(out, state.step)
+    gather([lr.save_checkpoint.remote(str(partial)) for lr in cluster.learners], cluster, "checkpoint")
+    return checkpoint.commit(partial, state, config.result_digest(), config.checkpoint.keep_last)
 
-    target = out / "adapters" / f"step_{rev.step:06d}"
-    if not target.exists():
-        export_peft(store, rev.id, target, link=True)
-    if config.mint.keep_last:
-        store.gc(config.mint.keep_last, run=config.logging.name)
-        kept = sorted((out / "adapters").glob("step_*"))
-        for old in kept[: -config.mint.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    return target
+
+def warm_start(config: Config) -> bytes | None:
+    """lora.init: the LoRA tensors a new run starts from (hash-verified), as safetensors bytes; None without one."""
+    ref = config.lora.init
+    if not ref:
+        return None
+    from mint.hub import read_revision_dir, to_bytes
+
+    if Path(ref).is_dir():
+        tensors, _, _ = read_revision_dir(Path(ref))
+        return to_bytes(tensors)
+    with Catalog(catalog_dir(config), create=False) as store:
+        tensors, _ = store.load(ref)
+    return to_bytes(tensors)
+
+
+def open_run_dir(config: Config, resume: bool) -> Path:
+    """A fresh run directory, or with `resume` the existing one, which must hold a complete checkpoint."""
+    if not resume:
+        return prepare_run_dir(config)
+    out = run_dir(config)
+    latest = checkpoint.latest(out)
+    if latest is None:
+        raise ConfigError(f"--resume: {out} has no complete checkpoint to resume from (checkpoint.every)")
+    checkpoint.read(latest, config.result_digest())  # refuses a recipe that computes something else
+    _write_json(out / "config.json", config.to_dict())
+    return out
 
 
 def prepare_run_dir(config: Config) -> Path:
@@ -220,105 +304,21 @@ def prepare_run_dir(config: Config) -> Path:
         out.rename(moved)
         print(f"mint: moved the previous run in {out} to {moved}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+    _write_json(out / "config.json", config.to_dict())
     return out
 
 
-def make_batches(config: Config, results: list[GroupResult]) -> tuple[list[GroupBatch], torch.Tensor]:
-    """Group-relative advantages, then the learner's batches (zero-variance groups dropped when asked)."""
-    rewards_B_G = torch.tensor([r.rewards_G for r in results], dtype=torch.float32)
-    adv_B_G = group_advantages_batch(rewards_B_G, scale_std=config.grpo.scale_std)
-    batches = to_batches(results, adv_B_G)
-    if config.grpo.filter_zero_variance:
-        batches = [b for b, keep in zip(batches, zero_variance_mask(rewards_B_G).tolist(), strict=True) if keep]
-    return batches, rewards_B_G
-
-
-def learn(cluster: Cluster, batches: list[GroupBatch]) -> dict:
-    """One optimizer step over the learner group; returns the ranks' sums (loss, kl, clipped, tokens) and maxima."""
-    plans = plan_step(batches, len(cluster.learners))
-    per_rank = ray.get([lr.step.remote(p) for lr, p in zip(cluster.learners, plans, strict=True)])
-    sums = {k: sum(r[k] for r in per_rank) for k in ("loss", "kl", "clipped", "tokens")}
-    sums.update({k: max(r[k] for r in per_rank) for k in ("peak_memory_mb", "logp_diff_max")})
-    sums["grad_norm"] = per_rank[0]["grad_norm"]  # already global: DeepSpeed reduces it across ranks
-    trust = TrustCounts()
-    for r in per_rank:
-        trust.add(r["trust"])
-    sums.update(trust.metrics())
-    return sums
-
-
-def train(config: Config) -> dict:
-    """Run GRPO for `config.grpo.steps` steps. Returns the run summary (also written to <run>/summary.json)."""
-    t_start = time.time()
-    out = prepare_run_dir(config)
-    model_path = resolve_model_path(config.model.path)
-    dataset = load_dataset(config.data.source, config.data.prompt_key, config.data.answer_key)
-    stream = dataset.batches(config.rollout.prompts_per_step, config.grpo.seed)
-    cluster = start_cluster(config, model_path)
-    logger = RunLogger(config, out)
-    store = Catalog(catalog_dir(config))
-    try:
-        adapter_config = ray.get(cluster.learners[0].adapter_config.remote(model_path))
-        rev = publish(cluster, store, config, model_path, adapter_config, 0, None)
-        rewards_per_step: list[float] = []
-        for step in range(1, config.grpo.steps + 1):
-            t0 = time.time()
-            results = run_rollouts(cluster, next(stream), config.grpo.seed + step)
-            t_rollout = time.time() - t0
-            batches, rewards_B_G = make_batches(config, results)
-            sums = learn(cluster, batches) if batches else {}
-            step_metrics = dict(reward_mean=float(rewards_B_G.mean()), **sums)
-            rev = publish(cluster, store, config, model_path, adapter_config, step, rev, results, step_metrics)
-            tokens = max(sums.get("tokens", 0.0), 1.0)
-            gen_tokens = sum(len(c.tokens_R) for r in results for c in r.rollout.completions)
-            step_s = time.time() - t0
-            metrics = dict(
-                step=step,
-                reward_mean=float(rewards_B_G.mean()),
-                reward_std=float(rewards_B_G.std(unbiased=False)),
-                reward_errors=sum(r.reward_errors for r in results),
-                groups_kept=len(batches),
-                loss=sums.get("loss", 0.0),
-                kl=sums.get("kl", 0.0) / tokens,
-                clip_frac=sums.get("clipped", 0.0) / tokens,
-                grad_norm=sums.get("grad_norm", 0.0),
-                logp_diff_max=sums.get("logp_diff_max", 0.0),
-                response_tokens=gen_tokens,
-                response_len_mean=gen_tokens / rewards_B_G.numel(),
-                tokens_per_s=gen_tokens / max(step_s, 1e-9),
-                rollout_s=t_rollout,
-                learn_s=step_s - t_rollout,
-                step_s=step_s,
-                peak_memory_mb=sums.get("peak_memory_mb", 0.0),
-                revision=rev.id,
-                **{k: v for k, v in sums.items() if k.startswith(("masked_", "trust_", "out_of_route", "mismatch"))},
-            )
-            if step % config.mint.save_every == 0 or step == config.grpo.steps:
-                save_revision(config, out, store, rev)
-            rewards_per_step.append(metrics["reward_mean"])
-            logger.log(metrics)
-        final_digests = ray.get([lr.param_digests.remote() for lr in cluster.learners])
-    finally:
-        logger.close()
-        store.close()
-        cluster.close()
-    summary = summarize(rewards_per_step, rev.id, time.time() - t_start)
-    summary.update(
-        run_dir=str(out),
-        adapter=str(out / "adapters" / f"step_{rev.step:06d}"),
-        base_digest=final_digests[0]["base"],
-        lora_digest=final_digests[0]["lora"],
-    )
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
-    return summary
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+    tmp.replace(path)
 
 
 def summarize(rewards_per_step: list[float], revision: str, seconds: float) -> dict:
     """reward_first / reward_last: mean step reward over the first and last 10% of steps (at least one step)."""
     k = max(1, round(0.1 * len(rewards_per_step)))
-    first = sum(rewards_per_step[:k]) / k
-    last = sum(rewards_per_step[-k:]) / k
+    first = sum(rewards_per_step[:k]) / k if rewards_per_step else 0.0
+    last = sum(rewards_per_step[-k:]) / k if rewards_per_step else 0.0
     return dict(
         steps=len(rewards_per_step),
         reward_first=round(first, 4),

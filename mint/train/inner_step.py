@@ -58,6 +58,7 @@ class StepPlan:
     micro_steps: list[MicroStep]
     total_tokens: int  # response tokens over all ranks
     total_seqs: int  # responses over all ranks
+    step: int = 0  # the run's optimizer step this plan belongs to (1-based)
 
 
 def loss_spec(config: Config) -> LossSpec:

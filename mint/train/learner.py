@@ -9,6 +9,7 @@ skipped one would hang the others.
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 
@@ -17,6 +18,7 @@ import torch
 
 from longstraw.trust import TrustCounts
 from mint.config import Config
+from mint.train.faults import Faults
 from mint.train.inner_step import INNER_STEPS, GroupBatch, MicroStep, StepContext, StepPlan, loss_spec
 
 __all__ = ["GroupBatch", "LearnerActor", "MicroStep", "StepPlan", "loss_spec"]
@@ -50,13 +52,18 @@ def _peak_memory_mb(device: torch.device) -> float:
 class LearnerActor:
     """One data-parallel rank of the learner: frozen base + LoRA, wrapped by DeepSpeed."""
 
-    def __init__(self, config: Config, model_path: str, rank: int, world_size: int):
+    def __init__(self, config: Config, model_path: str, rank: int, world_size: int, faults: Faults | None = None):
         self.config = config
         self.model_path = model_path
         self.rank = rank
         self.world_size = world_size
+        self.faults = faults or Faults()
         self.use_cuda = config.ray.learner_gpus > 0 and torch.cuda.is_available()
         torch.set_num_threads(config.ray.torch_threads)
+
+    def where(self) -> str:
+        """ "pid N on NODE_IP": how the driver names this actor when it dies."""
+        return f"(pid {os.getpid()} on {ray.util.get_node_ip_address()})"
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port: rank 0 hosts the torch.distributed rendezvous."""
@@ -67,8 +74,11 @@ class LearnerActor:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, master_addr: str, master_port: int) -> int:
-        """Join the process group, load base + LoRA, and wrap it in DeepSpeed. Every rank calls this at once."""
+    def setup(self, master_addr: str, master_port: int, init_lora: bytes | None = None) -> int:
+        """Join the process group, load base + LoRA, and wrap it in DeepSpeed. Every rank calls this at once.
+
+        init_lora: a warm start (`lora.init`): LoRA tensors as safetensors bytes, loaded before the optimizer is
+        built, so the optimizer starts fresh from them."""
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
@@ -93,6 +103,11 @@ class LearnerActor:
         config = self.config
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.use_cuda else torch.device("cpu")
         model = add_lora(load_model(self.model_path, config.model.dtype), config.lora, config.grpo.seed)
+        if init_lora is not None:
+            from mint.hub import from_bytes
+            from mint.models.lora import load_lora_state
+
+            load_lora_state(model, from_bytes(init_lora))
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=config.learner.lr, weight_decay=config.learner.weight_decay)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=_deepspeed_config(config))
@@ -124,16 +139,95 @@ class LearnerActor:
                     trust.add(stats.pop("trust"))
                     for k, v in stats.items():
                         sums[k] += v
-            self.engine.step()
+            if self.faults.nan_gradient_at(plan.step):
+                self._poison_gradients()
+            self._step_unless_non_finite(sums)
         self.steps_done += 1
         # resident mode keeps the captures of this step's prompts only.
         self.ctx.captures.end_step()
-        grad_norm = self.engine.get_global_grad_norm()
-        sums["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         sums["peak_memory_mb"] = _peak_memory_mb(self.device)
         sums["logp_diff_max"] = logp_diff_max
         sums["trust"] = trust
         return sums
+
+    def _step_unless_non_finite(self, sums: dict) -> None:
+        """engine.step(), unless the step's gradient is not finite on some rank; records grad_norm and `skipped`.
+
+        ZeRO stages 1-3 (DeepSpeed 0.19) already refuse such a step: a non-finite global gradient norm zeroes the
+        gradients, skips the optimizer and reports the norm as inf (`DeepSpeedZeroOptimizer.step`). Stage 0 wraps the
+        torch optimizer directly and would apply it, so there the ranks agree on finiteness first (one all-reduce).
+        fp16's dynamic loss scale also skips overflowing steps by design; those are not counted as bad steps.
+        (Under ZeRO-0 the norm is DeepSpeed's own, computed for clipping; it may be None without clipping.)
+        """
+        bad = False
+        if self.config.learner.zero_stage == 0:
+            grads = [p.grad for p in self.engine.module.parameters() if p.requires_grad and p.grad is not None]
+            local = float(not all(bool(torch.isfinite(g).all()) for g in grads))
+            flag = torch.tensor([local], device=self.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            bad = bool(flag.item())
+        if bad:
+            self.engine.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        sums["grad_norm"] = float(norm) if norm is not None else float("nan")
+        # DeepSpeed reports a skipped step's norm as inf; stage 0 skips only when the ranks agreed it was bad.
+        skipped = bad or (self.config.learner.zero_stage > 0 and not math.isfinite(sums["grad_norm"]))
+        # A bad step is a skipped one with a broken gradient; fp16's scale search skips finite-loss steps by design.
+        fp16_search = self.config.model.dtype == "float16" and math.isfinite(sums["loss"])
+        sums["skipped"] = sums.get("skipped", False) or skipped  # any epoch
+        sums["bad"] = sums.get("bad", False) or (skipped and not fp16_search)
+
+    def _poison_gradients(self) -> None:
+        """Fault injection (MINT_FAULTS=nan_loss@STEP; tests and drills only): this step's gradient becomes NaN on
+        every rank, as a diverged loss would make it."""
+        from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+
+        for p in self.engine.module.parameters():
+            grad = safe_get_full_grad(p) if p.requires_grad else None
+            if grad is not None:
+                safe_set_full_grad(p, torch.full_like(grad, float("nan")))
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str) -> None:
+        """This rank's part of a checkpoint (collective: every rank calls it): DeepSpeed's optimizer state and LoRA
+        weights (the frozen base excluded) under <directory>/deepspeed, and the rank's RNG states."""
+        self.engine.save_checkpoint(
+            os.path.join(directory, "deepspeed"), tag="state", exclude_frozen_parameters=True, save_latest=False
+        )
+        rng = {"torch": torch.get_rng_state()}
+        if self.use_cuda:
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        torch.save(rng, os.path.join(directory, "rng", f"rank_{self.rank}.pt"))
+
+    def load_checkpoint(self, directory: str, revision: str) -> str:
+        """Restore a checkpoint written by `save_checkpoint` (collective) and check that the LoRA weights hash to
+        `revision`, the id the driver recorded with it; returns that id."""
+        from mint.errors import MintError
+        from mint.hub import revision_id
+        from mint.models.lora import lora_state
+
+        path, _ = self.engine.load_checkpoint(
+            os.path.join(directory, "deepspeed"),
+            tag="state",
+            load_module_strict=False,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
+        if path is None:
+            raise MintError(f"checkpoint {directory}: DeepSpeed found no state to load")
+        rng = torch.load(os.path.join(directory, "rng", f"rank_{self.rank}.pt"), weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        if self.use_cuda and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        model = self.engine.module
+        with self._gathered(p for p in model.parameters() if p.requires_grad):
+            got = revision_id(lora_state(model))
+        if got != revision:
+            raise MintError(f"checkpoint {directory}: restored LoRA hashes to {got[:12]}, not {revision[:12]}")
+        return got
 
     # ---- state out -----------------------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ BAR_KEYS = ("reward_mean", "loss", "kl", "tokens_per_s")
 
 
 class RunLogger:
-    def __init__(self, config: Config, directory: Path):
+    def __init__(self, config: Config, directory: Path, initial: int = 0):
         self.path = Path(directory) / "metrics.jsonl"
         self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - open for the whole run, closed in close()
         self._wandb = None
@@ -34,7 +34,14 @@ class RunLogger:
         if config.logging.progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=config.grpo.steps, desc="grpo", file=sys.stderr, dynamic_ncols=True)
+            self._bar = tqdm(total=config.grpo.steps, initial=initial, desc="grpo", file=sys.stderr, dynamic_ncols=True)
+
+    def note(self, line: str) -> None:
+        """One line on the console (stderr), above the progress bar when there is one."""
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def log(self, metrics: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}

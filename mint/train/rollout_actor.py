@@ -11,9 +11,13 @@ from dataclasses import dataclass
 import torch
 
 from mint.config import Config
-from mint.errors import ConfigError
+from mint.errors import ConfigError, MintError
 from mint.rl.tasks import Example
 from mint.rollout.engine import GroupRollout, SamplingParams
+
+
+class StaleRevision(MintError):
+    """The actor does not hold the revision the driver asked to sample with (it was restarted by Ray since)."""
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class GroupResult:
     rewards_G: list[float]
     reward_errors: int
     revision: str | None
+    reward_error: str = ""  # the group's first reward failure, one line
 
 
 def prompt_tokens(tokenizer, example: Example, system_prompt: str = "") -> list[int]:
@@ -75,6 +80,16 @@ class RolloutActor:
         )
         self.reward_fn = resolve_reward(config.data.reward)
         self.revision: str | None = None
+        # Prompt tokens that leave room for max_tokens in the model's positions (preflight checked the data set).
+        self.max_prompt = self.model.config.max_position_embeddings - r.max_tokens
+
+    def where(self) -> str:
+        """ "(pid N on NODE_IP)": how the driver names this actor when it dies."""
+        import os
+
+        import ray
+
+        return f"(pid {os.getpid()} on {ray.util.get_node_ip_address()})"
 
     def load_adapter(self, revision: str, data: bytes | None = None, catalog: str | None = None) -> str:
         """Hot-load adapter revision `revision`; the base never moves.
@@ -103,10 +118,24 @@ class RolloutActor:
         self.revision = revision
         return revision
 
-    def rollout(self, examples: list[Example], seed: int) -> list[GroupResult]:
+    def rollout(self, examples: list[Example], seed: int, revision: str | None = None) -> list[GroupResult]:
+        """Sample and score one shard. With `revision`, refuse (StaleRevision) unless that is the adapter loaded: a
+        call to an actor Ray restarted since the last load would otherwise sample with the initial adapter."""
         from mint.rl.rewards import score
 
+        if revision is not None and revision != self.revision:
+            held = self.revision[:12] if self.revision else "none"
+            raise StaleRevision(f"rollout actor holds revision {held}, asked for {revision[:12]}")
+
         prompts = [prompt_tokens(self.tokenizer, ex, self.config.data.system_prompt) for ex in examples]
+        for i, tokens in enumerate(prompts):
+            if len(tokens) > self.max_prompt:
+                if not self.config.data.truncate_prompts:
+                    raise ConfigError(
+                        f"data.source: a prompt of {len(tokens)} tokens exceeds the {self.max_prompt} that fit; "
+                        "set data.truncate_prompts=true to keep its last tokens"
+                    )
+                prompts[i] = tokens[-self.max_prompt :]  # the end holds the question and the assistant header
         groups = self.engine.generate(prompts, self.config.rollout.group_size, self.params, seed)
         results = []
         for ex, group in zip(examples, groups, strict=True):
@@ -114,5 +143,9 @@ class RolloutActor:
                 self.tokenizer.decode(c.tokens_R.tolist(), skip_special_tokens=True) for c in group.completions
             ]
             scored = score(self.reward_fn, responses, [ex.answer] * len(responses))
-            results.append(GroupResult(ex, group, responses, list(scored.rewards), scored.errors, self.revision))
+            results.append(
+                GroupResult(
+                    ex, group, responses, list(scored.rewards), scored.errors, self.revision, scored.first_error
+                )
+            )
         return results

@@ -1,0 +1,149 @@
+"""Checkpoints: everything a run needs to continue bit-identically after a crash, and nothing it can recompute.
+
+    <run>/checkpoints/step_NNNNNN/
+        deepspeed/          every learner rank's optimizer state and the LoRA weights (DeepSpeed's own checkpoint
+                            format, frozen base excluded: `exclude_frozen_parameters`)
+        rng/rank_R.pt       each learner rank's torch RNG states
+        state.json          the step, the revision at that step, the data position, the driver's RNG states, the
+                            recipe's result digest, the run's counters and its reward curve so far
+
+A checkpoint is written into `checkpoints/.step_NNNNNN.partial/`; once every rank's files and state.json are on disk
+(fsynced) the directory is renamed to `step_NNNNNN`. The rename is the commit: a directory without the suffix is
+complete, and a crash leaves at most a `.partial` one, which the next writer removes.
+
+What is not here, because it is elsewhere or recomputed: the LoRA tensors as a revision (the catalog holds every
+step's revision; state.json names it and a restore checks the learner's weights hash to it), rollout RNGs (each
+step's sampling seed is derived from grpo.seed and the step), and metrics (metrics.jsonl is cut back to the
+checkpoint's step on resume, so a resumed run appends without duplicating steps).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mint.errors import ConfigError, MintError
+
+STATE_FILE = "state.json"
+PARTIAL = ".partial"
+
+
+@dataclass
+class RunState:
+    """The driver's side of a run between two steps: plain data, written to state.json."""
+
+    step: int = 0  # optimizer steps done (the data stream has served `step` batches)
+    revision: str | None = None  # the adapter revision after `step` (step 0: the initial adapter)
+    rewards: list[float] = field(default_factory=list)  # reward_mean per step, for the summary
+    bad_steps: int = 0  # consecutive steps skipped for a non-finite loss or gradient
+    skipped_steps: int = 0  # all skipped steps
+    reward_errors: int = 0  # samples whose reward function raised, over the run
+    restarts: int = 0  # learner-group restarts from a checkpoint, over the run
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step_{step:06d}"
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / STATE_FILE).is_file())
+    return done[-1] if done else None
+
+
+def begin(run_dir: Path, step: int) -> Path:
+    """A fresh `.partial` directory for step's checkpoint (a leftover from a crash is removed first)."""
+    partial = checkpoints_dir(run_dir) / f".step_{step:06d}{PARTIAL}"
+    shutil.rmtree(partial, ignore_errors=True)
+    (partial / "rng").mkdir(parents=True)
+    return partial
+
+
+def commit(partial: Path, state: RunState, result_digest: str, keep_last: int) -> Path:
+    """Write state.json, fsync everything under `partial`, rename it into place, and drop old checkpoints."""
+    doc = {"version": 1, "result_digest": result_digest, "state": asdict(state), "driver_rng": _driver_rng()}
+    (partial / STATE_FILE).write_text(json.dumps(doc, indent=1, sort_keys=True))
+    for path in sorted(partial.rglob("*")):
+        _fsync(path)
+    _fsync(partial)
+    final = partial.parent / partial.name[1:].removesuffix(PARTIAL)
+    if final.exists():  # the same step written again (a restart re-ran it): the new one replaces it
+        shutil.rmtree(final)
+    os.rename(partial, final)
+    _fsync(final.parent)
+    for old in sorted(p for p in final.parent.glob("step_*") if p.is_dir())[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read(checkpoint: Path, result_digest: str | None = None) -> RunState:
+    """The RunState of a complete checkpoint, with the driver's RNGs restored. With `result_digest`, refuse (one
+    line) a checkpoint written by a recipe that computes something else."""
+    try:
+        doc = json.loads((checkpoint / STATE_FILE).read_text())
+        state = RunState(**doc["state"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise MintError(f"checkpoint {checkpoint}: unreadable state ({type(e).__name__}: {e})") from None
+    if result_digest is not None and doc.get("result_digest") != result_digest:
+        raise ConfigError(
+            f"--resume: the recipe differs from the one {checkpoint.name} was written with in keys that change "
+            "the result (only grpo.steps, logging.*, checkpoint.*, mint.save_every/keep_last and ray.address/"
+            "placement may change); start a new run with another logging.name"
+        )
+    _restore_driver_rng(doc["driver_rng"])
+    return state
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Keep the metrics lines of steps <= `step` (atomically), so a resumed run appends without duplicates."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True) if line.strip()]
+    kept = [line for line in kept if json.loads(line).get("step", 0) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    _fsync(tmp)
+    os.replace(tmp, path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _driver_rng() -> dict:
+    """The driver process's RNG states (user reward code may draw from any of them), as JSON."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+
+
+def _restore_driver_rng(rng: dict) -> None:
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng["torch"])), dtype=torch.uint8))

@@ -1,0 +1,168 @@
+"""The pieces of one GRPO step between rollout and logging: advantages, the learner's plans, learn, publish.
+
+Weight sync *is* revision publish: each step's LoRA tensors become a revision in the catalog (<run>/catalog by
+default, with lineage and the step's rollout records), travel as safetensors bytes with their id through the Ray
+object store, and every `save_every` steps are also exported to <run>/adapters as a PEFT adapter directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+
+from longstraw.trust import TrustCounts
+from mint.config import Config
+from mint.hub import Catalog, from_bytes
+from mint.rl.grpo import group_advantages_batch, zero_variance_mask
+from mint.train.cluster import Cluster, gather, load_revision
+from mint.train.learner import GroupBatch, MicroStep, StepPlan
+from mint.train.rollout_actor import GroupResult
+
+
+@dataclass
+class Revision:
+    id: str
+    step: int
+    data: bytes = field(repr=False)
+    parent: str | None = None
+
+
+@functools.lru_cache(maxsize=8)
+def _fingerprint(model_path: str) -> str:
+    """The base's fingerprint, read from its files once per run, not every step (up to 128 MiB of reads)."""
+    from mint.hub import base_fingerprint
+
+    return base_fingerprint(model_path)
+
+
+def learner_revision(cluster: Cluster) -> tuple[bytes, dict]:
+    """The learner's LoRA state as safetensors bytes (from rank 0) and as tensors."""
+    data = gather([learner.lora_state_bytes.remote() for learner in cluster.learners], cluster, "publish")[0]
+    return data, from_bytes(data)
+
+
+def publish(
+    cluster: Cluster,
+    store: Catalog,
+    config: Config,
+    model_path: str,
+    adapter_config: dict,
+    step: int,
+    parent: Revision | None,
+    results: list[GroupResult] | None = None,
+    metrics: dict | None = None,
+) -> Revision:
+    """Publish the learner's LoRA state as a catalog revision and hot-load it into every rollout actor by id.
+
+    The step's rollout records (sampled with `parent`) are stored beside it. The actors receive the id with the
+    safetensors bytes and refuse bytes that do not hash to it. An update that left the adapter unchanged (same id as
+    the parent) publishes nothing new and returns the parent.
+    """
+    from mint.hub import write_step
+
+    data, tensors = learner_revision(cluster)
+    run = config.logging.name
+    if results and parent is not None:
+        write_step(store, run, step, parent.id, results, config.mint.rollout_records)
+    meta = store.put(  # returns the existing entry, writing nothing, for tensors already in the catalog
+        tensors,
+        adapter_config,
+        run=run,
+        step=step,
+        parent=parent.id if parent is not None else None,
+        recipe_hash=config.digest(),
+        base_model=config.model.path,
+        base_fingerprint=_fingerprint(model_path),
+        metrics=metrics or {},
+    )
+    if parent is not None and meta.id == parent.id:
+        return parent
+    rev = Revision(meta.id, step, data, parent.id if parent is not None else None)
+    load_revision(cluster, rev.id, ray.put(data))
+    return rev
+
+
+def plan_step(groups: list[GroupBatch], world_size: int, step: int = 0) -> list[StepPlan]:
+    """Assign groups to ranks (fewest tokens first) and pad every rank to the same number of micro-steps."""
+    tokens = [sum(len(r) for r in g.responses) for g in groups]
+    loads = [0] * world_size
+    assigned: list[list[GroupBatch]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(groups)), key=lambda i: -tokens[i]):
+        rank = loads.index(min(loads))
+        assigned[rank].append(groups[i])
+        loads[rank] += tokens[i]
+    n_micro = max(len(a) for a in assigned)
+    total_tokens, total_seqs = sum(tokens), sum(len(g.responses) for g in groups)
+    return [
+        StepPlan(
+            [MicroStep(g, True) for g in a] + [MicroStep(groups[0], False)] * (n_micro - len(a)),
+            total_tokens,
+            total_seqs,
+            step,
+        )
+        for a in assigned
+    ]
+
+
+def to_batches(results: list[GroupResult], adv_B_G: torch.Tensor) -> list[GroupBatch]:
+    return [
+        GroupBatch(
+            prompt_tokens_P=res.rollout.prompt_tokens_P,
+            responses=[c.tokens_R for c in res.rollout.completions],
+            rollout_logprobs=[c.logprobs_R for c in res.rollout.completions],
+            adv_G=adv_B_G[b],
+            prompt_routes_P1_L_K=res.rollout.prompt_routes_P1_L_K,
+            routes=[c.routes_R_L_K for c in res.rollout.completions],
+        )
+        for b, res in enumerate(results)
+    ]
+
+
+def make_batches(config: Config, results: list[GroupResult]) -> tuple[list[GroupBatch], torch.Tensor]:
+    """Group-relative advantages, then the learner's batches (zero-variance groups dropped when asked)."""
+    rewards_B_G = torch.tensor([r.rewards_G for r in results], dtype=torch.float32)
+    adv_B_G = group_advantages_batch(rewards_B_G, scale_std=config.grpo.scale_std)
+    batches = to_batches(results, adv_B_G)
+    if config.grpo.filter_zero_variance:
+        batches = [b for b, keep in zip(batches, zero_variance_mask(rewards_B_G).tolist(), strict=True) if keep]
+    return batches, rewards_B_G
+
+
+def learn(cluster: Cluster, batches: list[GroupBatch], step: int) -> dict:
+    """One optimizer step over the learner group; returns the ranks' sums (loss, kl, clipped, tokens), maxima, the
+    global gradient norm and whether the step was skipped (a non-finite gradient: nothing changed)."""
+    plans = plan_step(batches, len(cluster.learners), step)
+    futures = [lr.step.remote(p) for lr, p in zip(cluster.learners, plans, strict=True)]
+    per_rank = gather(futures, cluster, f"step {step}")
+    sums = {k: sum(r[k] for r in per_rank) for k in ("loss", "kl", "clipped", "tokens")}
+    sums.update({k: max(r[k] for r in per_rank) for k in ("peak_memory_mb", "logp_diff_max")})
+    sums["grad_norm"] = per_rank[0]["grad_norm"]  # already global: DeepSpeed reduces it across ranks
+    sums["skipped"] = any(r["skipped"] for r in per_rank)
+    sums["bad"] = any(r["bad"] for r in per_rank)
+    trust = TrustCounts()
+    for r in per_rank:
+        trust.add(r["trust"])
+    sums.update(trust.metrics())
+    return sums
+
+
+def save_revision(config: Config, out: Path, store: Catalog, rev: Revision) -> Path:
+    """Export the revision as a PEFT adapter directory in <run>/adapters/step_NNNNNN, then apply retention:
+    `mint.keep_last` revisions of this run keep their tensors in the catalog (plus tagged and named ones; entries
+    and lineage stay) and as adapter directories."""
+    from mint.hub import export_peft
+
+    target = out / "adapters" / f"step_{rev.step:06d}"
+    if not target.exists():
+        export_peft(store, rev.id, target)
+    if config.mint.keep_last:
+        store.gc(config.mint.keep_last, run=config.logging.name)
+        kept = sorted((out / "adapters").glob("step_*"))
+        for old in kept[: -config.mint.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return target
