@@ -61,6 +61,13 @@ class UpdateSpec:
     max_prefix_age: int = field(
         default=0, metadata={"help": "resident: recapture once a prefix has served this many updates (0 = never)."}
     )
+    checkpoint_min_tokens: int = field(
+        default=256,
+        metadata={
+            "help": "Checkpoint each layer in replays and prompt-backward chunks of at least this many tokens "
+            "(0: never): the graph keeps layer inputs, backward recomputes the layer."
+        },
+    )
     kernels: str = field(
         default="auto",
         metadata={"help": "auto: Triton on CUDA, the kernels' torch reference on CPU; on: Triton; off: reference."},
@@ -75,6 +82,8 @@ class UpdateSpec:
             raise LongStrawError(f"UpdateSpec.temperature: must be > 0, got {self.temperature}")
         if self.kernels not in ("auto", "on", "off"):
             raise LongStrawError(f"UpdateSpec.kernels: {self.kernels!r} is not one of auto, on, off")
+        if self.checkpoint_min_tokens < 0:
+            raise LongStrawError(f"UpdateSpec.checkpoint_min_tokens: must be >= 0, got {self.checkpoint_min_tokens}")
         if self.max_prefix_age < 0:
             raise LongStrawError(f"UpdateSpec.max_prefix_age: must be >= 0, got {self.max_prefix_age}")
 
@@ -144,6 +153,7 @@ def grpo_update(
     with RouteReplay(model) if routes is not None else nullcontext() as replay:
         adapter = adapter or adapter_for(model)
         adapter.kernels = spec.kernels
+        adapter.checkpoint_min_tokens = spec.checkpoint_min_tokens
         adapter.on_positions = None if replay is None else (lambda start, n: replay.set(*routes.window(start, n)))
         if routes is not None:
             routes.replay = replay

@@ -79,6 +79,8 @@ class Adapter(ABC):
     # Which implementation of longstraw.kernels runs (there is one per op): "auto" Triton for CUDA tensors and the
     # torch reference on CPU; "on" always Triton (CUDA, or CPU under TRITON_INTERPRET=1); "off" always the reference.
     kernels = "auto"
+    # Checkpoint each decoder layer in a forward with autograd over at least this many tokens (0: never).
+    checkpoint_min_tokens = 0
 
     @abstractmethod
     def capture(self, tokens_S: torch.Tensor, chunk_size: int) -> PrefixState:

@@ -101,27 +101,43 @@ class QwenAdapter(Adapter):
         # MoE blocks read (batch, seq, hidden) from the input shape.
         return h_T_Hd + layer.mlp(layer.post_attention_layernorm(h_T_Hd).unsqueeze(0)).squeeze(0)
 
+    def _layer(self, layer: nn.Module, h, cos, sin, prefix: KVPrefix, constant_rows: int, kv_only: bool):
+        """One decoder layer over h_T_Hd: (h_out or None when kv_only, k_Hkv_T_D, v_Hkv_T_D)."""
+        attn = layer.self_attn
+        q, k, v = self._qkv(attn, layer.input_layernorm(h), cos, sin)
+        if constant_rows:
+            k = torch.cat([k[:, :constant_rows].detach(), k[:, constant_rows:]], dim=1)
+            v = torch.cat([v[:, :constant_rows].detach(), v[:, constant_rows:]], dim=1)
+        if kv_only:
+            return None, k, v
+        h = h + self._attend(attn, q, k, v, prefix)
+        return self._mlp(layer, h), k, v
+
     def _layers(self, tokens_T: torch.Tensor, start: int, prefixes: list[KVPrefix], constant_rows: int, full: bool):
         """Run the decoder over tokens at `start`; returns (hidden_T_Hd or None, [(k, v)] per layer).
 
-        full=False stops after the last layer's K/V: prompt positions need nothing past that.
+        full=False stops after the last layer's K/V: prompt positions need nothing past that. With autograd on and
+        at least `checkpoint_min_tokens` tokens, each layer is checkpointed: the graph keeps the layer's input and
+        its K/V instead of every activation inside it, and backward recomputes the layer (routes replay the same
+        way: the R3 window set below is still the current one when backward runs).
         """
+        n = tokens_T.shape[0]
         if self.on_positions is not None:
-            self.on_positions(start, tokens_T.shape[0])
+            self.on_positions(start, n)
         h = self.decoder.embed_tokens(tokens_T)
         cos, sin = self._rope(h, start)
+        checkpointed = torch.is_grad_enabled() and 0 < self.checkpoint_min_tokens <= n
         kv = []
         for i, layer in enumerate(self.decoder.layers):
-            attn = layer.self_attn
-            q, k, v = self._qkv(attn, layer.input_layernorm(h), cos, sin)
-            if constant_rows:
-                k = torch.cat([k[:, :constant_rows].detach(), k[:, constant_rows:]], dim=1)
-                v = torch.cat([v[:, :constant_rows].detach(), v[:, constant_rows:]], dim=1)
+            kv_only = not full and i == self.num_layers - 1
+            args = (layer, h, cos, sin, prefixes[i], constant_rows, kv_only)
+            if checkpointed:
+                h, k, v = torch.utils.checkpoint.checkpoint(self._layer, *args, use_reentrant=False)
+            else:
+                h, k, v = self._layer(*args)
             kv.append((k, v))
-            if not full and i == self.num_layers - 1:
+            if kv_only:
                 return None, kv
-            h = h + self._attend(attn, q, k, v, prefixes[i])
-            h = self._mlp(layer, h)
         return self.decoder.norm(h), kv
 
     @staticmethod

@@ -164,6 +164,12 @@ class LongStrawConfig:
     max_prefix_age: int = knob(
         0, "resident: recapture a prompt once its capture has served this many steps; 0 never recaptures.", min=0
     )
+    checkpoint_min_tokens: int = knob(
+        256,
+        "Checkpoint each decoder layer in replays and prompt-backward chunks of at least this many tokens (0: never): "
+        "the graph keeps each layer's input, backward recomputes the layer; gradients are unchanged.",
+        min=0,
+    )
     kernels: str = knob(
         "auto",
         "Which implementation of LongStraw's kernels (prefix attention, fused frozen-head logprob) runs: auto "

@@ -62,7 +62,8 @@ def revision_id(tensors: dict[str, torch.Tensor]) -> str:
     for key in sorted(tensors):
         t = tensors[key].detach().to("cpu").contiguous()
         h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(memoryview(t.view(torch.uint8).numpy()))  # hashed in place: no bytes copy of a large tensor
     return h.hexdigest()
 
 

@@ -272,6 +272,7 @@ def longstraw_group_step(
         temperature=ctx.config.rollout.temperature,
         need_ref=ctx.spec.kl_coef > 0,
         max_prefix_age=ls.max_prefix_age,
+        checkpoint_min_tokens=ls.checkpoint_min_tokens,
         kernels=ls.kernels,
     )
     model = ctx.engine.module
