@@ -9,6 +9,13 @@ prefix attention, forward + backward, D=128, H_q=32, H_kv=4, P in {8k, 64k, 512k
 fused head, forward + backward, H=4096, V=151,936, T in {4k, 32k}, frozen head (dHidden only):
     ours        fused_logprob (log-prob and entropy)
     torch       logits = hidden @ W.T; log_softmax in fp32; gather (+ entropy from the same log-probs)
+expert LoRA (issue 11), forward + backward of one MoE projection on N = 4096 tokens x top-8 = 32768 routed rows,
+Qwen3-30B-A3B-like: E=128, r=32, gate_up (H=2048 -> O=1536) and down (I=768 -> O=2048), grads to x, lora_A, lora_B:
+    ours        base grouped matmul (frozen W) + expert_lora (factored LoRA, Triton)
+    reference   base grouped matmul + expert_lora_reference (the CPU path's per-segment torch loop)
+    peft        PEFT target_parameters: W + s einsum(lora_B, lora_A) materialized ([E, O, H]), then grouped matmul
+    lora_only   expert_lora alone (the kernels' own time)
+    The grouped matmul is a per-expert loop of torch matmuls, the same in the three full variants.
 
 Each case reports the median time of a few runs (CUDA events) and the peak memory above what its inputs hold.
 Targets from the issue: prefix attention >= 1.5x faster than SDPA when P/R >= 16; fused head >= 10x less peak memory
@@ -33,7 +40,7 @@ import time
 
 import torch
 
-from longstraw.kernels import fused_logprob, prefix_attention
+from longstraw.kernels import expert_lora, expert_lora_reference, fused_logprob, prefix_attention
 
 BUDGET_S = 270.0  # stop starting new cases after this, so the whole call stays under 5 minutes
 
@@ -241,6 +248,60 @@ def bench_fused_head(T: int, reps: int, seed: int, weight: torch.Tensor) -> dict
     return row
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Expert LoRA
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def bench_expert_lora(name: str, H: int, n_out: int, reps: int, seed: int, N: int = 32768, E: int = 128, r: int = 32):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rnd = lambda *shape, std=1.0: (torch.randn(*shape, device="cuda", generator=g) * std).to(torch.bfloat16)
+    # Routed rows sorted by expert, with a skewed load (expert weights uniform in [0, 1)).
+    counts = torch.multinomial(torch.rand(E, device="cuda", generator=g), N, replacement=True, generator=g)
+    counts = counts.bincount(minlength=E)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    sizes = counts.tolist()
+    x = rnd(N, H).requires_grad_()
+    W = rnd(E, n_out, H, std=H**-0.5)  # frozen base expert weights
+    lora_A = rnd(E * r, H, std=H**-0.5).requires_grad_()
+    lora_B = rnd(n_out, r * E, std=r**-0.5).requires_grad_()
+    A, B, s = lora_A.view(E, r, H), lora_B.view(n_out, r, E).permute(2, 0, 1), 2.0
+    dy = rnd(N, n_out)
+    row = {"proj": name, "N": N, "E": E, "H": H, "O": n_out, "r": r, "max_rows_per_expert": max(sizes)}
+
+    def grouped(x_N_H, W_E_O_H):
+        # split/unbind, not slicing: their backward is one cat/stack, where E slices would each add a zero-filled
+        # full-size gradient (E x 805 MB for PEFT's [E, O, H] weight).
+        pairs = zip(x_N_H.split(sizes), W_E_O_H.unbind(0), strict=True)
+        return torch.cat([x_e @ W_e.T for x_e, W_e in pairs])
+
+    def step(forward):
+        def run():
+            forward().backward(dy)
+            for t in (x, lora_A, lora_B):
+                t.grad = None
+
+        return run
+
+    ours = lambda: grouped(x, W) + expert_lora(x, A, B, offsets, s)
+    peft = lambda: grouped(x, W + s * torch.einsum("o r e, e r i -> e o i", lora_B.view(n_out, r, E), A))
+    try:
+        with torch.no_grad():
+            row["max_abs_diff_vs_peft"] = float((ours().float() - peft().float()).abs().max())
+    except Exception as exc:
+        row["max_abs_diff_vs_peft"] = f"{type(exc).__name__}"
+    torch.cuda.empty_cache()
+    row["ours"] = guarded(step(ours), reps)
+    row["reference"] = guarded(step(lambda: grouped(x, W) + expert_lora_reference(x, A, B, offsets, s)), reps)
+    row["peft"] = guarded(step(peft), reps)
+    row["lora_only"] = guarded(step(lambda: expert_lora(x, A, B, offsets, s)), reps)
+    row["delta_weight_bf16_mb"] = round(E * n_out * H * 2 / 2**20, 1)
+    if "ms" in row["ours"] and "ms" in row["peft"]:
+        row["speedup_vs_peft"] = round(row["peft"]["ms"] / row["ours"]["ms"], 3)
+        row["memory_ratio_vs_peft"] = round(row["peft"]["peak_extra_mb"] / max(row["ours"]["peak_extra_mb"], 1e-3), 2)
+    return row
+
+
 def targets_met(attn_rows: list[dict], head_rows: list[dict]) -> dict:
     met = {}
     eligible = [r for r in attn_rows if r["P"] / r["R"] >= 16 and "speedup_vs_sdpa" in r]
@@ -265,7 +326,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     attn_sizes = [(8192, 512)] if args.quick else [(p, r) for p in (8192, 65536, 524288) for r in (512, 4096)]
     head_sizes = [4096] if args.quick else [4096, 32768]
-    attn_rows, head_rows, skipped = [], [], []
+    lora_projs = [("gate_up", 2048, 1536)] + ([] if args.quick else [("down", 768, 2048)])
+    attn_rows, head_rows, lora_rows, skipped = [], [], [], []
 
     for P, R in attn_sizes:
         if time.perf_counter() - t0 > BUDGET_S:
@@ -283,6 +345,16 @@ def main() -> None:
         row = bench_fused_head(T, args.reps, args.seed, weight)
         head_rows.append(row)
         print(f"fused_head T={T}: {json.dumps(row)}", file=sys.stderr, flush=True)
+    del weight
+    torch.cuda.empty_cache()
+
+    for name, H, n_out in lora_projs:
+        if time.perf_counter() - t0 > BUDGET_S:
+            skipped.append(f"expert_lora {name}")
+            continue
+        row = bench_expert_lora(name, H, n_out, args.reps, args.seed)
+        lora_rows.append(row)
+        print(f"expert_lora {name}: {json.dumps(row)}", file=sys.stderr, flush=True)
 
     result = {
         "bench": "kernels_gpu",
@@ -293,6 +365,7 @@ def main() -> None:
         "dtype": "bfloat16",
         "prefix_attention": attn_rows,
         "fused_head": head_rows,
+        "expert_lora": lora_rows,
         "targets_met": targets_met(attn_rows, head_rows),
         "skipped_for_time": skipped,
         "wall_s": round(time.perf_counter() - t0, 1),

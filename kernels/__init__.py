@@ -4,7 +4,8 @@ Each kernel has Triton kernels, launchers, an autograd.Function and a plain-torc
 path: one implementation per op on CPU, memory-lean (nothing of size P or T x V saved for backward), and the one the
 Triton kernels are tested against. The files are split by job to stay under ~450 lines each: prefix_attention.py (API,
 launchers, Function), _prefix_attention_triton.py (@triton.jit kernels), _prefix_attention_reference.py;
-fused_logprob.py (API, launchers, Function, kernels), _fused_logprob_reference.py. Imports here are torch and triton
+fused_logprob.py (API, launchers, Function, kernels), _fused_logprob_reference.py; expert_lora.py (API, launchers,
+Function), _expert_lora_triton.py (@triton.jit kernels), _expert_lora_reference.py. Imports here are torch and triton
 only. Callers use the functions below; nothing outside this package calls `Function.apply` or imports triton.
 
     prefix_attention(q, k_prefix, v_prefix, k_resp, v_resp, scale=None, *, dk_prefix_acc=None,
@@ -19,11 +20,24 @@ only. Callers use the functions below; nothing outside this package calls `Funct
         gradient unless weight.requires_grad. targets == ignore_index give 0 and no gradient; other targets outside
         [0, V) raise ValueError.
 
+    expert_lora(x_N_H, A_E_R_H, B_E_O_R, offsets_E1, scaling, *, force=None) -> y_N_O
+        x [N, H] routed rows sorted by expert; A [E, r, H]; B [E, O, r]; offsets int64 [E + 1] (segment e = rows
+        offsets[e]:offsets[e+1]); any strides. y[n] = scaling * B_e (A_e x[n]) in x's dtype, fp32 accumulation;
+        gradients to x, A, B. Never forms B_e @ A_e or any [E, O, H] tensor; saves the [N, r] x A_e^T for backward.
+
 Dispatch: CUDA tensors -> Triton, CPU tensors -> reference; force="triton" | "reference" overrides. See
 docs/kernels.md for the math, the tiling and how to test and benchmark.
 """
 
+from longstraw.kernels.expert_lora import expert_lora, expert_lora_reference
 from longstraw.kernels.fused_logprob import fused_logprob, fused_logprob_reference
 from longstraw.kernels.prefix_attention import prefix_attention, prefix_attention_reference
 
-__all__ = ["fused_logprob", "fused_logprob_reference", "prefix_attention", "prefix_attention_reference"]
+__all__ = [
+    "expert_lora",
+    "expert_lora_reference",
+    "fused_logprob",
+    "fused_logprob_reference",
+    "prefix_attention",
+    "prefix_attention_reference",
+]
