@@ -32,7 +32,7 @@ LAYERS = [
     "longstraw.kernels",
 ]
 ONLY_IN = {"ray": "mint.train", "deepspeed": "mint.train", "triton": "longstraw.kernels"}
-KERNELS_MAY_IMPORT = {"torch", "triton", "math", "__future__", "functools", "os", "longstraw"}
+KERNELS_MAY_IMPORT = {"torch", "triton", "math", "itertools", "__future__", "functools", "os", "longstraw"}
 
 
 def _module_name(path: Path) -> str:

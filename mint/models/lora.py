@@ -2,7 +2,8 @@
 
 The learner and the rollout actors build the adapter from the same recipe section, so a state dict produced by one
 loads into the other key for key. Fused 3-D experts (transformers 5.x `mlp.experts.gate_up_proj` / `down_proj`) get
-LoRA through PEFT `target_parameters`; attention projections through `target_modules`.
+LoRA through PEFT `target_parameters`; attention projections through `target_modules`. By default those experts
+compute their LoRA factored (`mint.models.expert_lora`): same modules, parameters and names, but W + ΔW is never formed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
 from mint.config import LoraConfig
+from mint.models.expert_lora import factor_experts
 from mint.models.specs import moe_layout
 
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -30,13 +32,24 @@ def peft_config(lora: LoraConfig, model_config) -> PeftLoraConfig:
     )
 
 
-def add_lora(model: torch.nn.Module, lora: LoraConfig, seed: int) -> torch.nn.Module:
-    """Wrap a frozen base with LoRA. Seeded, so every learner rank starts from the same adapter."""
+def add_lora(model: torch.nn.Module, lora: LoraConfig, seed: int, factored_experts: bool = True) -> torch.nn.Module:
+    """Wrap a frozen base with LoRA. Seeded, so every learner rank starts from the same adapter.
+
+    The LoRA weights take the base's dtype (the recipe's model.dtype), in the learner, the rollout actors and the
+    server alike: PEFT's default upcast of bf16 adapters to fp32 made the rollout's LoRA fp32 while DeepSpeed's
+    bf16 learner ran it in bf16, and cast the factors back to bf16 on every forward (53 MiB of copies saved per
+    replay per MoE layer at Qwen3-30B-A3B dims). DeepSpeed keeps the fp32 master copy in the optimizer.
+
+    factored_experts: fused-expert LoRA runs as x A^T B^T per routed row (`mint.models.expert_lora`); False keeps
+    PEFT's materialized W + s·B A (for equality tests and benchmarks). The adapter's tensors are the same either way.
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        peft_model = get_peft_model(model, peft_config(lora, model.config))
+        peft_model = get_peft_model(model, peft_config(lora, model.config), autocast_adapter_dtype=False)
     for name, p in peft_model.named_parameters():
         p.requires_grad_("lora_" in name)
+    if factored_experts:
+        factor_experts(peft_model)
     return peft_model
 
 
