@@ -68,6 +68,9 @@ class UpdateSpec:
             "(0: never): the graph keeps layer inputs, backward recomputes the layer."
         },
     )
+    vocab_limit: int | None = field(
+        default=None, metadata={"help": "Score only token ids below it (a padded LM head); None: every row."}
+    )
     kernels: str = field(
         default="auto",
         metadata={"help": "auto: Triton on CUDA, the kernels' torch reference on CPU; on: Triton; off: reference."},
@@ -154,6 +157,7 @@ def grpo_update(
         adapter = adapter or adapter_for(model)
         adapter.kernels = spec.kernels
         adapter.checkpoint_min_tokens = spec.checkpoint_min_tokens
+        adapter.vocab_limit = spec.vocab_limit
         adapter.on_positions = None if replay is None else (lambda start, n: replay.set(*routes.window(start, n)))
         if routes is not None:
             routes.replay = replay

@@ -1,7 +1,8 @@
 """Find the top-k routers of a sparse-MoE model and hook them: record routes now, replay them later (R3).
 
-A "route" of one token at one MoE layer is the k expert ids its router picked, in the router's own order (topk
-order, highest probability first). Routes of a forward over T tokens (T = batch * seq, flattened row-major the way
+A "route" of one token at one MoE layer is the k expert ids its router picked, in the router's own order (Qwen:
+highest probability first; GLM: unsorted top-k). Order carries no meaning: a route is a set, and replay weighs
+each id by itself. Routes of a forward over T tokens (T = batch * seq, flattened row-major the way
 the MoE block flattens its input) stack to `routes_T_L_K`, L = MoE layers in model order.
 
 Every hook lives only inside a `with` block and is removed on exit, exceptions included, so a model outside one is
@@ -10,9 +11,12 @@ the plain model. `RouterHooks` holds that lifecycle; `RouteRecorder` is the reco
 PyTorch uses a forward hook's non-None return value as the module's output.
 
 Supported routers are the transformers 5.x `*TopKRouter` / `*TopkRouter` modules whose forward returns
-`(router_logits, router_scores, router_indices)` with indices `[T, k]` (Qwen3-MoE, Qwen2-MoE, and kin). A router of
-that name that returns something else (GLM-4.5's returns logits only; its block picks experts) is found but fails
-loudly on the first hooked forward instead of recording garbage.
+`(router_logits, router_weights, router_indices)` with indices `[T, k]`: Qwen3-MoE, Qwen2-MoE and kin (softmax
+routing), and GLM-4.5 (`Glm4MoeTopkRouter`: sigmoid routing with a score-correction bias and group-limited top-k,
+which picks the experts inside the router in the installed transformers). Replay recomputes the weights of the
+replayed ids by each router's own rule (`replay_weights`). A router of that name that returns something else (older
+transformers releases had GLM's router return logits only and its block pick the experts) is found but fails loudly
+on the first hooked forward instead of recording garbage; so does replay on a biased router whose rule is unverified.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ ROUTE_REASONS = ("route_missing", "route_layers", "route_layout", "route_out_of_
 
 # Matched case-insensitively against the class name: transformers spells both "TopKRouter" and "TopkRouter".
 _ROUTER_CLASS_SUFFIX = "topkrouter"
+# Routers that score experts by sigmoid, rank them by score + e_score_correction_bias within the best groups, and weigh
+# them by the unbiased scores (GLM-4.5's `Glm4MoeTopkRouter.forward`, transformers 5.x); see `replay_weights`.
+_SIGMOID_ROUTERS = ("Glm4MoeTopkRouter",)
+# GLM's router adds this to the top-k sum before dividing (transformers' Glm4MoeTopkRouter); kept for bit-equal weights.
+_SIGMOID_NORM_EPS = 1e-20
 
 
 def find_routers(model: nn.Module) -> list[nn.Module]:
@@ -160,10 +169,10 @@ class RouteReplay(RouterHooks):
             native_T_L_K = replay.native()    # what the routers would have picked (for the out-of-route ratio)
 
     For a token with `ok_T` true the experts are the recorded ids; their weights are recomputed from the learner's own
-    router logits: softmax over all experts, gathered at the recorded ids, renormalized when the router normalizes
-    its top-k. So the LoRA experts that run are the ones the rollout used, and gradients still reach a trainable
-    router. A token with `ok_T` false keeps the router's native choice; the caller gives it weight 0 in the policy
-    gradient (it is counted, never silently scored under another path).
+    router logits by the router's own rule (`replay_weights`: softmax for Qwen-MoE, unbiased sigmoid times
+    routed_scaling_factor for GLM-4.5). So the LoRA experts that run are the ones the rollout used, and gradients
+    still reach a trainable router. A token with `ok_T` false keeps the router's native choice; the caller gives it
+    weight 0 in the policy gradient (it is counted, never silently scored under another path).
     """
 
     def __init__(self, model: nn.Module):
@@ -197,11 +206,38 @@ class RouteReplay(RouterHooks):
             )
         ok_T = self._ok_T.to(native_T_K.device)
         ids_T_K = torch.where(ok_T[:, None], routes_T_K, native_T_K)
+        return logits_T_E, replay_weights(module, logits_T_E, ids_T_K), ids_T_K
+
+
+def replay_weights(router: nn.Module, logits_T_E: torch.Tensor, ids_T_K: torch.Tensor) -> torch.Tensor:
+    """weights_T_K that `router` gives experts `ids_T_K`, from its logits_T_E, by the rule it uses for its own top-k.
+
+    Softmax routers (Qwen3-MoE, Qwen2-MoE):
+        w = softmax(logits)[ids], then w / sum(w) when norm_topk_prob.
+    Sigmoid routers (GLM-4.5): s = sigmoid(logits). The router picks its top-k by s + e_score_correction_bias within
+    its best topk_group of n_group groups, but the bias and the groups only rank; the weights are
+        w = s[ids], then w / (sum(w) + 1e-20) when norm_topk_prob, then w * routed_scaling_factor.
+    For the router's own ids this is its own output; for replayed ids it is what it would have weighed them with.
+    Returned in the logits' dtype (fp32 for GLM, whose router computes in fp32), with autograd to the router.
+    """
+    name = type(router).__name__
+    if name in _SIGMOID_ROUTERS:
+        scores_T_E = logits_T_E.float().sigmoid()
+        weights_T_K = scores_T_E.gather(-1, ids_T_K)
+        if router.norm_topk_prob:
+            weights_T_K = weights_T_K / (weights_T_K.sum(dim=-1, keepdim=True) + _SIGMOID_NORM_EPS)
+        weights_T_K = weights_T_K * router.routed_scaling_factor
+    elif hasattr(router, "e_score_correction_bias"):
+        raise LongStrawError(
+            f"{name} ranks experts with a score-correction bias but its weight rule is not verified for route "
+            f"replay; supported biased routers: {', '.join(_SIGMOID_ROUTERS)}"
+        )
+    else:
         probs_T_E = torch.softmax(logits_T_E.float(), dim=-1)
         weights_T_K = probs_T_E.gather(-1, ids_T_K)
-        if getattr(module, "norm_topk_prob", False):
+        if getattr(router, "norm_topk_prob", False):
             weights_T_K = weights_T_K / weights_T_K.sum(dim=-1, keepdim=True)
-        return logits_T_E, weights_T_K.to(logits_T_E.dtype), ids_T_K
+    return weights_T_K.to(logits_T_E.dtype)
 
 
 @dataclass

@@ -41,6 +41,20 @@ def random_qwen3_path(tmp_path_factory) -> str:
     return build_random_tiny("qwen3_moe", str(tmp_path_factory.mktemp("qwen3_moe_only")))
 
 
+@pytest.fixture(scope="session")
+def random_glm_path(tmp_path_factory) -> str:
+    """A random-init tiny GLM-4.5-style MoE (tiny_config("glm4_moe")) whose routers' e_score_correction_bias is
+    non-zero, so the bias moves which experts are picked (and must stay out of their weights), as in a trained GLM."""
+    path = build_random_tiny("glm4_moe", str(tmp_path_factory.mktemp("glm4_moe_biased")))
+    model = load_fp32(path)
+    gen = torch.Generator().manual_seed(11)
+    for layer in model.model.layers[model.config.first_k_dense_replace :]:
+        bias = layer.mlp.gate.e_score_correction_bias
+        bias.copy_(0.1 * torch.randn(bias.shape, generator=gen))
+    model.save_pretrained(path)
+    return path
+
+
 def load_fp32(path: str) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.eval()

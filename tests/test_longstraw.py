@@ -1,7 +1,8 @@
 """LongStraw engine against independent references (fp32, CPU): HF full-sequence forwards and backprops.
 
 G=3 responses of unequal lengths after a P=23 prompt, LoRA on attention and fused experts with non-zero lora_B
-(so the adapter changes every K/V and every expert output), both MoE families.
+(so the adapter changes every K/V and every expert output), every MoE family: Qwen3-MoE, Qwen2-MoE and GLM-4.5
+(a dense first layer, partial RoPE, q/k norm, q/k/v bias, head_dim 32 on hidden 64; issue 11).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from mint.models.lora import add_lora
 # The kernels' torch references are LongStraw's CPU path; their block sizes are module constants.
 _attention_reference = importlib.import_module("longstraw.kernels._prefix_attention_reference")
 _logprob_reference = importlib.import_module("longstraw.kernels._fused_logprob_reference")
+
+# conftest's random_tiny_path, over every tiny MoE family (its default params are the two Qwen families).
+every_family = pytest.mark.parametrize("random_tiny_path", ["qwen3_moe", "qwen2_moe", "glm4_moe"], indirect=True)
 
 P = 23
 LENGTHS = (2, 5, 9)
@@ -121,6 +125,7 @@ def _cosine(a, b) -> float:
     return float(torch.nn.functional.cosine_similarity(va, vb, dim=0))
 
 
+@every_family
 def test_logprobs_match_hf_full_forward(random_tiny_path):
     """(a) Each response's logprobs equal a HF full forward over prompt+response."""
     model = _lora_model(random_tiny_path)
@@ -133,6 +138,7 @@ def test_logprobs_match_hf_full_forward(random_tiny_path):
             torch.testing.assert_close(got, _hf_logp(model, tokens_P, r), atol=1e-5, rtol=0)
 
 
+@every_family
 def test_exact_grads_equal_full_backprop(random_tiny_path):
     """(b) Exact mode equals full-sequence backprop of the same loss, prompt backward over several chunks."""
     model = _lora_model(random_tiny_path)
@@ -143,6 +149,7 @@ def test_exact_grads_equal_full_backprop(random_tiny_path):
     assert metrics.mode == "exact" and metrics.dkv_bytes == metrics.prefix_bytes  # fp32 dKV of fp32 K/V
 
 
+@every_family
 @pytest.mark.parametrize("mode", ["exact", "detached"])
 def test_kernel_path_wiring_equals_full_backprop(random_tiny_path, mode, monkeypatch):
     """One implementation per op (issue 9): the adapter calls only longstraw.kernels (prefix_attention with the exact
@@ -168,6 +175,7 @@ def test_kernel_path_wiring_equals_full_backprop(random_tiny_path, mode, monkeyp
     assert calls["prefix_attention"] > 0 and calls["fused_logprob"] == 2 * len(responses)  # replays + reference
 
 
+@every_family
 def test_detached_grads_equal_backprop_with_prompt_kv_detached(random_tiny_path, capsys):
     """(c) Detached mode equals full backprop with the K/V of all P prompt positions detached (HF hooks)."""
     model = _lora_model(random_tiny_path)
@@ -194,6 +202,7 @@ def test_first_response_token_gets_gradient_in_detached_mode(random_qwen3_path):
     assert any(g.abs().max() > 0 for n, g in grads.items() if "q_proj" in n)
 
 
+@every_family
 @pytest.mark.parametrize("chunk_size", [P, P // 4, 7])
 def test_chunked_capture_gives_same_prefix_state(random_tiny_path, chunk_size):
     """(d) The captured prefix state does not depend on the chunk size."""

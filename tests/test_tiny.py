@@ -12,8 +12,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from longstraw.routing import find_routers
 from mint.errors import ConfigError
 from mint.models import tiny
+from mint.models.specs import moe_layout
 from mint.models.tiny import (
     IM_END,
     MANIFEST,
@@ -24,7 +26,7 @@ from mint.models.tiny import (
     resolve_model_path,
 )
 
-FAMILIES = ("qwen3_moe", "qwen2_moe")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "glm4_moe")
 PROMPT = "What is the first digit of 3 7 1 4?"
 
 
@@ -35,7 +37,7 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_paths(tmp_path_factory) -> dict[str, str]:
-    """Default builds of both families through ensure_tiny (about 14 s each on one thread), built once."""
+    """Default builds of every family through ensure_tiny (14-23 s each on one thread), built once."""
     cache = str(tmp_path_factory.mktemp("mint_cache"))
     return {family: ensure_tiny(family, cache) for family in FAMILIES}
 
@@ -91,6 +93,11 @@ def test_build_saves_and_loads_through_from_pretrained(tiny_paths, family):
     assert (model.config.eos_token_id, model.config.pad_token_id) == (im_end, pad)
     assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (im_end, pad)
     assert hasattr(model.model.layers[0].mlp, "shared_expert") == (family == "qwen2_moe")
+    if family == "glm4_moe":  # issue 11: a dense first layer, then MoE layers with a shared expert
+        dense, *moe = model.model.layers
+        assert not hasattr(dense.mlp, "experts") and all(hasattr(layer.mlp, "shared_experts") for layer in moe)
+        assert moe_layout(model.config).num_layers == len(find_routers(model)) == 2
+        assert model.config.n_group == 2 and model.config.rope_parameters["partial_rotary_factor"] == 0.5
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )

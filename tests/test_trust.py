@@ -55,11 +55,30 @@ def test_trust_counters_add_up():
     assert total.metrics()["trust_kept_frac"] == pytest.approx(2 / 6)
 
 
+def reference_weights(router, hidden_T_H: torch.Tensor, ids_T_K: torch.Tensor) -> torch.Tensor:
+    """The weights a router gives experts ids_T_K, restated from transformers' router code (independent of R3's).
+
+    Qwen-MoE: softmax(logits)[ids], renormalized when norm_topk_prob. GLM-4.5: sigmoid(logits)[ids] (the
+    score-correction bias only ranks), over (sum + 1e-20) when norm_topk_prob, times routed_scaling_factor.
+    """
+    logits_T_E = torch.nn.functional.linear(hidden_T_H.reshape(-1, router.weight.shape[1]).float(), router.weight)
+    if hasattr(router, "e_score_correction_bias"):
+        weights_T_K = logits_T_E.sigmoid().gather(-1, ids_T_K)
+        if router.norm_topk_prob:
+            weights_T_K = weights_T_K / (weights_T_K.sum(-1, keepdim=True) + 1e-20)
+        return weights_T_K * router.routed_scaling_factor
+    weights_T_K = logits_T_E.softmax(-1).gather(-1, ids_T_K)
+    return weights_T_K / weights_T_K.sum(-1, keepdim=True) if router.norm_topk_prob else weights_T_K
+
+
+@pytest.mark.parametrize("random_tiny_path", ["qwen3_moe", "qwen2_moe", "glm4_moe"], indirect=True)
 def test_replay_forces_exactly_the_recorded_experts(random_tiny_path):
     model = load_fp32(random_tiny_path)
-    experts_inputs = []
-    for block in (m for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")):
-        block.experts.register_forward_pre_hook(lambda mod, args: experts_inputs.append((args[1], args[2])))
+    routers = find_routers(model)
+    experts_inputs, router_inputs, handles = [], [], []
+    for block in (m for m in model.modules() if any(getattr(m, "gate", None) is r for r in routers)):
+        handles.append(block.experts.register_forward_pre_hook(lambda mod, a: experts_inputs.append((a[1], a[2]))))
+        handles.append(block.gate.register_forward_pre_hook(lambda mod, a: router_inputs.append(a[0])))
     ids = torch.tensor([[3, 9, 27, 81, 5, 7]])
     gen = torch.Generator().manual_seed(0)
     routes_T_L_K = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6 * 2)]).view(6, 2, 2)
@@ -68,18 +87,27 @@ def test_replay_forces_exactly_the_recorded_experts(random_tiny_path):
         model(ids)
         native = rec.pop()
     experts_inputs.clear()
+    router_inputs.clear()
     with RouteReplay(model) as replay:
         replay.set(routes_T_L_K, ok_T)
         model(ids)
         native_under_replay = replay.native()
+    for handle in handles:
+        handle.remove()
     # Native choices are measured while replaying; layer 0 sees the same input as without replay, later layers see
     # the replayed path.
     assert torch.equal(native_under_replay[:, 0], native[:, 0])
-    for layer, (index_T_K, weights_T_K) in enumerate(experts_inputs):
+    assert len(experts_inputs) == len(router_inputs) == len(routers)
+    for layer, ((index_T_K, weights_T_K), hidden) in enumerate(zip(experts_inputs, router_inputs, strict=True)):
         expected = torch.where(ok_T[:, None], routes_T_L_K[:, layer], native_under_replay[:, layer])
         assert torch.equal(index_T_K, expected)
-        router = find_routers(model)[layer]
-        assert torch.allclose(weights_T_K.sum(-1), torch.ones(6)) == bool(router.norm_topk_prob)
+        router = routers[layer]
+        with torch.no_grad():
+            _, own_weights_T_K, own_ids_T_K = router(hidden)  # outside the hooks: the model's own routing
+        # The restated rule is the model's (its own picks), and replay weighs the replayed ids by it.
+        torch.testing.assert_close(reference_weights(router, hidden, own_ids_T_K), own_weights_T_K)
+        torch.testing.assert_close(weights_T_K, reference_weights(router, hidden, expected))
+        torch.testing.assert_close(weights_T_K[~ok_T], own_weights_T_K[~ok_T])
 
 
 def test_replay_weights_come_from_learner_logits_and_reach_a_trainable_router(random_qwen3_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from longstraw.adapters.base import Adapter, KVState, PrefixState
+from longstraw.adapters.glm import GlmAdapter
 from longstraw.adapters.qwen import QwenAdapter
 from longstraw.errors import LongStrawError
 
@@ -17,6 +18,7 @@ ADAPTERS: dict[str, type[Adapter]] = {
     "qwen2_moe": QwenAdapter,
     "qwen3": QwenAdapter,
     "qwen2": QwenAdapter,
+    "glm4_moe": GlmAdapter,
 }
 
 __all__ = ["ADAPTERS", "Adapter", "KVState", "PrefixState", "adapter_for"]

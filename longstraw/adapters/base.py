@@ -81,6 +81,8 @@ class Adapter(ABC):
     kernels = "auto"
     # Checkpoint each decoder layer in a forward with autograd over at least this many tokens (0: never).
     checkpoint_min_tokens = 0
+    # Score only ids below this (a padded LM head's rows past the tokenizer are never sampled); None: all rows.
+    vocab_limit = None
 
     @abstractmethod
     def capture(self, tokens_S: torch.Tensor, chunk_size: int) -> PrefixState:

@@ -173,10 +173,13 @@ class QwenAdapter(Adapter):
     def logprobs(self, hidden_T_Hd: torch.Tensor, targets_T: torch.Tensor, temperature: float) -> torch.Tensor:
         head = self.lm_head
         if type(head) is nn.Linear and head.bias is None and not head.weight.requires_grad:
-            # A frozen head: chunked over T and V, [T, V] logits never kept for backward; dHidden only.
+            # A frozen head: chunked over T and V, [T, V] logits never kept for backward; dHidden only. The rows
+            # past vocab_limit are cut as a view, the same cut the rollout engine samples with.
             force = _FORCE[self.kernels]
-            return kernels.fused_logprob(hidden_T_Hd, head.weight, targets_T, temperature, force=force)[0]
-        return token_logprobs(head(hidden_T_Hd), targets_T, temperature)  # a trained or biased head: plain logits
+            weight = head.weight[: self.vocab_limit]
+            return kernels.fused_logprob(hidden_T_Hd, weight, targets_T, temperature, force=force)[0]
+        logits = head(hidden_T_Hd)[..., : self.vocab_limit]  # a trained or biased head: plain logits
+        return token_logprobs(logits, targets_T, temperature)
 
     def backward_prompt(
         self, tokens_S, state: KVState, grad: KVState, chunk_size: int, meter=None, backward=None

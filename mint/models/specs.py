@@ -8,23 +8,29 @@ from_pretrained`, so the smoke run exercises the same code as a real run.
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, Glm4MoeConfig, PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from longstraw.routing import ExpertLayout
 from mint.errors import ConfigError
 
 TINY_PREFIX = "tiny:"
-TINY_FAMILIES = ("qwen3_moe", "qwen2_moe")
+TINY_FAMILIES = ("qwen3_moe", "qwen2_moe", "glm4_moe")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def tiny_config(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
-    """The config of an embedded tiny MoE base: 2 layers, hidden 64, 4 routed experts (top-2), GQA 4:2.
+    """The config of an embedded tiny MoE base: hidden 64, 4 routed experts (top-2), GQA 4:2.
 
-    qwen2_moe adds a shared expert with its sigmoid gate, which is the case route replay and LoRA export must also
-    cover. Sizes are chosen so a CPU builds, pretrains and RL-trains one in seconds.
+    qwen3_moe / qwen2_moe: 2 layers, both MoE; qwen2_moe adds a shared expert with its sigmoid gate, which is the
+    case route replay and LoRA export must also cover. glm4_moe (GLM-4.5 class): 3 layers of which the first is a
+    dense MLP (first_k_dense_replace=1), sigmoid routing with group-limited top-k (2 groups of 2, one group kept)
+    and routed_scaling_factor 2.5, an ungated shared expert, partial RoPE (half of head_dim 32, so the attention
+    width 128 differs from hidden 64 as in GLM-4.5-Air), q/k RMSNorm and q/k/v bias. Sizes are chosen so a CPU
+    builds, pretrains and RL-trains one in seconds.
     """
+    if family == "glm4_moe":
+        return _tiny_glm4_moe(vocab_size, **overrides)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -50,14 +56,57 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
     raise ConfigError(f"model.path: unknown tiny family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
 
 
-def moe_layout(config: PretrainedConfig) -> ExpertLayout | None:
-    """The expert layout of a Qwen-MoE-style config, or None for a dense model."""
+def _tiny_glm4_moe(vocab_size: int, **overrides) -> Glm4MoeConfig:
+    config = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        partial_rotary_factor=0.5,
+        use_qk_norm=True,
+        attention_bias=True,
+        max_position_embeddings=256,
+        intermediate_size=128,  # the dense layer's MLP
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=64,
+        n_shared_experts=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    )
+    config.update(overrides)
+    return Glm4MoeConfig(**config)
+
+
+def moe_layers(config: PretrainedConfig) -> list[int]:
+    """Indices of the decoder layers whose MLP is a routed-expert block, in model order ([] for a dense model).
+
+    A layer is dense when any of the families' rules says so: GLM / DeepSeek-V3 `first_k_dense_replace` (layers
+    below it), Qwen-MoE `mlp_only_layers` (listed layers) and `decoder_sparse_step` (MoE only where (i + 1) % step
+    == 0). Each rule is read only where the config has it, so one family's default never applies to another.
+    """
     num_experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
     if not num_experts:
-        return None
-    step = getattr(config, "decoder_sparse_step", 1) or 1
+        return []
+    first_moe = getattr(config, "first_k_dense_replace", None) or 0
+    step = getattr(config, "decoder_sparse_step", None) or 1
     dense = set(getattr(config, "mlp_only_layers", None) or [])
-    layers = [i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
+    return [i for i in range(config.num_hidden_layers) if i >= first_moe and i not in dense and (i + 1) % step == 0]
+
+
+def moe_layout(config: PretrainedConfig) -> ExpertLayout | None:
+    """The expert layout of a sparse-MoE config (num_layers counts MoE layers only), or None for a dense model."""
+    layers = moe_layers(config)
+    if not layers:
+        return None
+    num_experts = getattr(config, "num_experts", None) or config.n_routed_experts
     return ExpertLayout(num_layers=len(layers), num_experts=num_experts, top_k=config.num_experts_per_tok)
 
 
@@ -68,3 +117,24 @@ def load_model(path: str, dtype: str = "float32") -> torch.nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_size(model_path: str) -> int | None:
+    """len() of the model directory's tokenizer, or None when it has no tokenizer files (transformers would make an
+    empty one-token tokenizer up, which must not cut the vocabulary)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    if Path(model_path).is_dir() and not any((Path(model_path) / f).exists() for f in TOKENIZER_FILES):
+        return None
+    return len(AutoTokenizer.from_pretrained(model_path))
+
+
+def usable_vocab(tokenizer_size: int | None, config: PretrainedConfig) -> int | None:
+    """The ids a rollout may sample and the learner scores: the tokenizer's, when the head has more rows (padding),
+    else None (all of them). Preflight refuses a tokenizer with ids the head cannot produce."""
+    return tokenizer_size if tokenizer_size is not None and tokenizer_size < config.vocab_size else None

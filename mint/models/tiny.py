@@ -1,4 +1,5 @@
-"""The embedded tiny bases behind `tiny:<family>`: a local tokenizer, a tiny Qwen-MoE, and a brief pretrain.
+"""The embedded tiny bases behind `tiny:<family>`: a local tokenizer, a tiny Qwen-MoE or GLM-4.5-class MoE, and a
+brief pretrain.
 
 RL post-training starts from a pretrained base, and a frozen *random* tiny MoE barely learns the synthetic task by
 GRPO with LoRA. So `build_tiny` first trains the full model, supervised, on chat-formatted `first_last` examples to a
@@ -147,7 +148,7 @@ class TinyRecipe:
     # q: probability that a noisy target is the correct digit, so p(correct) = q + (1 - q)/10 = 0.28. At q = 0.3 the
     # smoke run started at 0.37 and its first-10% window sat too close to the ceiling to show the lift.
     label_accuracy: float = 0.2
-    steps: int = 600  # cap on skill-phase steps; seeds 0-2 of both families stop at 145-225
+    steps: int = 600  # cap on skill-phase steps; seeds 0-2 stop at 145-225 (Qwen families), 142-330 (glm4_moe)
     # Steps on the expected noisy-label loss, lr decaying linearly to 0. Measured (qwen3_moe, seed 0): 100 steps left
     # p(correct) at 0.32, 200 reach 0.37, the optimum.
     calibrate_steps: int = 200

@@ -117,9 +117,13 @@ class RolloutEngine:
     The engine adds no hooks outside a call.
     """
 
-    def __init__(self, model: nn.Module, eos_token_ids: Sequence[int]):
+    def __init__(self, model: nn.Module, eos_token_ids: Sequence[int], vocab_limit: int | None = None):
+        """vocab_limit: ids >= it are never sampled nor scored (a padded head: real Qwen checkpoints have 151,936
+        rows for 151,669 tokens); logits are cut to [:vocab_limit] before sampling and scoring, and the learner
+        scores with the same cut (mint.models.specs.usable_vocab)."""
         self.model = model
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.vocab_limit = vocab_limit
         self.layout = moe_layout(model.config)
         self.device = next(model.parameters()).device
         if self.layout is not None:
@@ -178,7 +182,7 @@ class RolloutEngine:
         """
         batch, seq = input_ids_B_S.shape
         out = self.model(input_ids=input_ids_B_S, cache=cache, use_cache=True, logits_to_keep=1)
-        logits_B_V = out.logits[:, -1]
+        logits_B_V = out.logits[:, -1, : self.vocab_limit]
         routes_B_S_L_K = recorder.pop_batched(batch, seq) if recorder is not None else None
         return logits_B_V, routes_B_S_L_K
 

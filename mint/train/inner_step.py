@@ -109,6 +109,7 @@ class StepContext:
     device: torch.device
     world_size: int
     captures: ResidentCaptures = field(default_factory=ResidentCaptures)
+    vocab_limit: int | None = None  # score only ids below it (a padded head), as the rollout engine samples
 
     def backward(self, loss: torch.Tensor, boundary: bool, carries_scale: bool = False) -> None:
         """DeepSpeed's backward, with the accumulation boundary set first (gradients reduce on the boundary).
@@ -220,7 +221,7 @@ def _score_padded(
         logits = ctx.engine(input_ids=input_ids, logits_to_keep=r_max, use_cache=False).logits
         if routes is not None:
             native = hooks.native().cpu()
-        logp_G_R = token_logprobs(logits, targets_G_R, ctx.config.rollout.temperature)
+        logp_G_R = token_logprobs(logits[..., : ctx.vocab_limit], targets_G_R, ctx.config.rollout.temperature)
     # The kept window starts at position P-1, which predicts response token 0, for every row.
     return [logp_G_R[i, :n] for i, n in enumerate(lengths)], native
 
@@ -273,6 +274,7 @@ def longstraw_group_step(
         need_ref=ctx.spec.kl_coef > 0,
         max_prefix_age=ls.max_prefix_age,
         checkpoint_min_tokens=ls.checkpoint_min_tokens,
+        vocab_limit=ctx.vocab_limit,
         kernels=ls.kernels,
     )
     model = ctx.engine.module

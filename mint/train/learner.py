@@ -112,8 +112,14 @@ class LearnerActor:
         optimizer = torch.optim.AdamW(params, lr=config.learner.lr, weight_decay=config.learner.weight_decay)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=_deepspeed_config(config))
         self._deepspeed = deepspeed
-        layout = moe_layout(AutoConfig.from_pretrained(self.model_path))
-        self.ctx = StepContext(self.engine, config, loss_spec(config), layout, self.device, self.world_size)
+        from mint.models.specs import tokenizer_size, usable_vocab
+
+        model_config = AutoConfig.from_pretrained(self.model_path)
+        limit = usable_vocab(tokenizer_size(self.model_path), model_config)
+        self.ctx = StepContext(
+            self.engine, config, loss_spec(config), moe_layout(model_config), self.device, self.world_size
+        )
+        self.ctx.vocab_limit = limit
         self.steps_done = 0
         return self.rank
 

@@ -56,7 +56,7 @@ class RolloutActor:
         from transformers import AutoTokenizer
 
         from mint.models.lora import add_lora
-        from mint.models.specs import load_model
+        from mint.models.specs import load_model, usable_vocab
         from mint.rl.rewards import resolve_reward
         from mint.rollout.engine import RolloutEngine
 
@@ -70,7 +70,8 @@ class RolloutActor:
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         if self.tokenizer.eos_token_id is not None:
             eos_ids.append(self.tokenizer.eos_token_id)
-        self.engine = RolloutEngine(self.model, sorted(set(eos_ids)))
+        limit = usable_vocab(len(self.tokenizer), self.model.config)
+        self.engine = RolloutEngine(self.model, sorted(set(eos_ids)), vocab_limit=limit)
         r = config.rollout
         self.params = SamplingParams(
             temperature=r.temperature,

@@ -1,0 +1,71 @@
+"""GLM-4.5-class decoders (`glm4_moe`: GLM-4.5, GLM-4.5-Air) in transformers 5.x.
+
+What differs from the Qwen families, all in `Glm4MoeAttention` and `Glm4MoeDecoderLayer`:
+
+- head_dim is its own setting (GLM-4.5-Air: 96 heads x 128 = 12288 against hidden 4096), read from the module.
+- q/k/v projections may carry a bias (`attention_bias`); o_proj has none. The projections are called as modules, so
+  the bias and PEFT LoRA are both live.
+- q/k RMSNorm on the head dim only when `use_qk_norm`, before RoPE as in Qwen3.
+- Partial RoPE (`partial_rotary_factor`, 0.5 by default): the model's rotary module returns cos/sin over the first
+  rotary_dim = head_dim * factor dims; those are rotated (rotate-half within that slice) and the rest pass through.
+- Layers below `first_k_dense_replace` have a dense MLP; the others a `Glm4MoeMoE` block (routed experts picked by
+  the sigmoid router, plus an ungated shared expert). Both are called as the layer's own `mlp` module, which is
+  what `QwenAdapter._mlp` does, so router hooks (R3) and expert LoRA stay live.
+
+Everything else (the capture / replay / prompt-backward machinery and the attention through
+`longstraw.kernels.prefix_attention`) is `QwenAdapter`'s, inherited unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from longstraw.adapters.qwen import QwenAdapter, _rotate_half
+from longstraw.errors import LongStrawError
+
+FAMILIES = ("glm4_moe",)
+
+
+class GlmAdapter(QwenAdapter):
+    def __init__(self, model: nn.Module):
+        # QwenAdapter.__init__ refuses other model types, so the same fields are set here from GLM's own modules.
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = base.config
+        if config.model_type not in FAMILIES:
+            raise LongStrawError(f"GlmAdapter does not cover model_type {config.model_type!r}")
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise LongStrawError("sliding-window attention is not supported by LongStraw yet")
+        self.decoder = base.model
+        self.lm_head = base.lm_head
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        attn = self.decoder.layers[0].self_attn
+        self.head_dim = attn.head_dim  # as Glm4MoeAttention resolved it: config.head_dim, else hidden / heads
+        self.groups = self.num_heads // self.num_kv_heads
+        self.qk_norm = bool(attn.use_qk_norm)
+        self.num_layers = len(self.decoder.layers)
+
+    def _qkv(self, attn: nn.Module, x_T_Hd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q_Hkv_G_T_D, k_Hkv_T_D, v_Hkv_T_D for normed inputs x_T_Hd: optional q/k norm, then partial RoPE.
+
+        cos/sin are [T, rotary_dim] with rotary_dim <= head_dim (Glm4MoeRotaryEmbedding builds them for the rotated
+        part only); as in transformers' `apply_rotary_pos_emb`, dims [0, rotary_dim) rotate and the rest pass through.
+        """
+        t = x_T_Hd.shape[0]
+        q = attn.q_proj(x_T_Hd).view(t, self.num_heads, self.head_dim)
+        k = attn.k_proj(x_T_Hd).view(t, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x_T_Hd).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        q, k = _partial_rope(q, cos, sin), _partial_rope(k, cos, sin)
+        return q.reshape(self.num_kv_heads, self.groups, t, self.head_dim), k, v
+
+
+def _partial_rope(x_H_T_D: torch.Tensor, cos_T_R: torch.Tensor, sin_T_R: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first R dims of the head dim: x[..., :R] * cos + rotate_half(x[..., :R]) * sin; x[..., R:] as is."""
+    rotary = cos_T_R.shape[-1]
+    x_rot, x_pass = x_H_T_D[..., :rotary], x_H_T_D[..., rotary:]
+    return torch.cat([x_rot * cos_T_R + _rotate_half(x_rot) * sin_T_R, x_pass], dim=-1)
