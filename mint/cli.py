@@ -28,6 +28,13 @@ def _parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue <logging.root>/<logging.name> from its latest checkpoint"
     )
     sub.add_parser("keys", help="list every recipe key with its default and help")
+    plan = sub.add_parser("plan", help="per-GPU memory plan of a recipe's learner at a real base's shapes")
+    plan.add_argument("recipe", help="path to a TOML recipe")
+    plan.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
+    plan.add_argument("--gpus", type=int, required=True, help="learner GPUs (data-parallel ranks)")
+    plan.add_argument("--gpu-memory", default="96GB", help="memory per GPU, e.g. 96GB (H20), 141GB (H200)")
+    plan.add_argument("--prompt-len", type=int, required=True, help="P: the longest prompt, in tokens")
+    plan.add_argument("--shape", default=None, help="qwen3_30b_a3b | qwen3_235b_a22b | glm45_air (default: model.path)")
     add_parsers(sub)
     return parser
 
@@ -44,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("revisions", "export", "serve"):
             return run_catalog_command(args)
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "keys":
             from mint.config import config_markdown
 
@@ -75,6 +84,33 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 130
     return 0
+
+
+def _plan(args) -> int:
+    """`mint plan`: print the per-GPU budget table; exit 0 when it fits, 1 when it does not."""
+    from mint.config import load_config
+    from mint.models.plan import HUB_IDS, Job, largest_prompt, make_plan, parse_bytes
+    from mint.models.shapes import shape
+
+    config = load_config(args.recipe, args.overrides)
+    key = args.shape or HUB_IDS.get(config.model.path)
+    if key is None:
+        raise ConfigError(f"model.path {config.model.path!r} is not a known real base; pass --shape")
+    job = Job(
+        prompt_len=args.prompt_len,
+        group=config.rollout.group_size,
+        response_len=config.rollout.max_tokens,
+        lora_rank=config.lora.rank,
+        chunk=config.longstraw.chunk_size,
+        mode="detached" if config.longstraw.mode != "exact" else "exact",
+        data_parallel=args.gpus,
+        dtype_bytes=4 if config.model.dtype == "float32" else 2,
+    )
+    result = make_plan(shape(key), key, job, parse_bytes(args.gpu_memory))
+    print(result.table())
+    largest = largest_prompt(shape(key), key, job, parse_bytes(args.gpu_memory))
+    print(f"largest prompt that fits at G={job.group}, R={job.response_len}: P = {largest:,}")
+    return 0 if result.fits else 1
 
 
 def _cause(e: BaseException) -> BaseException:

@@ -1,0 +1,243 @@
+"""Real per-layer shapes: a few MoE layers of a real base (public config dims, random bf16 weights, no download).
+
+Usage:
+    python bench/real_shapes.py                                  # Qwen3-30B-A3B dims, 2 layers, P=1024, G=4, R=64
+    python bench/real_shapes.py --prompt-len 4096                # adds the naive full-sequence step vs exact
+    python bench/real_shapes.py --shape glm45_air --layers 1
+
+Each configuration runs in a fresh process (as bench/longstraw_memory.py does; MALLOC_MMAP_THRESHOLD_=65536 on CPU):
+  equality      the same model and LoRA (lora_B ~ N(0, 0.02), so the update is not zero) through PEFT's
+                materialized expert LoRA and through Mint's factored path: logits and LoRA gradients of one sequence
+  materialized  one LongStraw exact update, PEFT materializing W + s*B@A per expert stack per forward
+  factored      the same update, expert LoRA as x@A then @B per routed token (mint.models.lora)
+  factored_ckpt the same, each layer checkpointed inside replays and prompt-backward chunks (what Mint runs)
+  naive         the full-sequence step on the factored model, one sequence at a time (--prompt-len >= 2048 only)
+Saved bytes are measured with saved-tensor hooks (longstraw.memory.GraphMeter); peaks with PeakMeter (RSS above a
+baseline taken after the model is built). Per-layer figures divide by --layers; `mint plan` multiplies them by the
+real layer count (mint/models/measured/<shape>.json is written with --save).
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEASURED = os.path.join(ROOT, "mint", "models", "measured")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3_30b_a3b", help="qwen3_30b_a3b | qwen3_235b_a22b | glm45_air")
+    ap.add_argument("--layers", type=int, default=2, help="MoE layers built")
+    ap.add_argument("--prompt-len", type=int, default=1024, help="P")
+    ap.add_argument("--group", type=int, default=4, help="G")
+    ap.add_argument("--response-len", type=int, default=64, help="R (every response)")
+    ap.add_argument("--chunk", type=int, default=1024, help="C")
+    ap.add_argument("--rank", type=int, default=32, help="LoRA rank")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--configs", default="", help="comma list (default: all that apply)")
+    ap.add_argument("--save", action="store_true", help="write mint/models/measured/<shape>.json")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def build(args, factored: bool, dtype=torch.bfloat16):
+    from transformers import AutoModelForCausalLM
+
+    from mint.config import LoraConfig
+    from mint.models.lora import add_lora
+    from mint.models.shapes import layer_config, shape
+
+    torch.manual_seed(0)
+    cfg = layer_config(shape(args.shape), args.layers, max_positions=args.prompt_len + args.response_len + 16)
+    base = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval().requires_grad_(False)
+    model = add_lora(base, LoraConfig(rank=args.rank, alpha=2.0 * args.rank), seed=0, factored_experts=factored)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen).mul_(0.02).to(p.dtype))
+    return model
+
+
+def objective(i, logp_R, ref_R):
+    return -((1.0 if i % 2 == 0 else -1.0) * logp_R).mean(), {}
+
+
+def _inputs(args, vocab):
+    gen = torch.Generator().manual_seed(2)
+    tokens_P = torch.randint(0, vocab, (args.prompt_len,), generator=gen)
+    return tokens_P, [torch.randint(0, vocab, (args.response_len,), generator=gen) for _ in range(args.group)]
+
+
+def worker_equality(args) -> dict:
+    """Logits and LoRA gradients of one 96-token sequence through PEFT's materialized path and the factored one, in
+    fp32 (same math, fp32 rounding only) and in bf16, and each bf16 path's error against the fp32 materialized one
+    (random init is identical across dtypes: the fp32 weights are the bf16 ones upcast)."""
+    from longstraw.scoring import token_logprobs
+
+    def run(factored, dtype):
+        model = build(args, factored, torch.bfloat16)
+        if dtype == torch.float32:
+            model = model.float()  # the very same bf16 weights, upcast
+        ids = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(3))
+        logits = model(input_ids=ids).logits[0].float()
+        token_logprobs(logits[:-1], ids[0, 1:]).sum().backward()
+        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        return logits.detach(), grads
+
+    def diff(a, b):
+        (la, ga), (lb, gb) = a, b
+        rel = max(float((gb[n] - ga[n]).abs().max() / ga[n].abs().max().clamp_min(1e-30)) for n in ga)
+        return float((la - lb).abs().max()), rel
+
+    ref = run(False, torch.float32)
+    fp32_logits, fp32_grad = diff(ref, run(True, torch.float32))
+    mat = run(False, torch.bfloat16)
+    fac = run(True, torch.bfloat16)
+    bf16_logits, bf16_grad = diff(mat, fac)
+    mat_err = diff(ref, mat)
+    fac_err = diff(ref, fac)
+    return {
+        "factored_logits_maxdiff": bf16_logits,
+        "factored_grad_maxrel": bf16_grad,
+        "factored_logits_maxdiff_fp32": fp32_logits,
+        "factored_grad_maxrel_fp32": fp32_grad,
+        "bf16_vs_fp32_logits_maxdiff": {"materialized": mat_err[0], "factored": fac_err[0]},
+        "bf16_vs_fp32_grad_maxrel": {"materialized": mat_err[1], "factored": fac_err[1]},
+        "logits_absmax": float(ref[0].abs().max()),
+        "lora_tensors_compared": len(ref[1]),
+    }
+
+
+def worker_update(args, factored: bool, ckpt: bool) -> dict:
+    from longstraw.engine import UpdateSpec, grpo_update
+    from longstraw.memory import PeakMeter
+
+    model = build(args, factored)
+    tokens_P, responses = _inputs(args, model.config.vocab_size)
+    spec = UpdateSpec(mode="exact", chunk_size=args.chunk, measure_graph=True, checkpoint_min_tokens=1 if ckpt else 0)
+    reset = PeakMeter("cpu")
+    reset.start()  # only to learn whether VmHWM resets here (the engine's own meter takes the peak)
+    t0 = time.perf_counter()
+    metrics = grpo_update(model, tokens_P, responses, objective, spec)  # the measured run
+    return {
+        "peak_bytes": metrics.peak_memory_bytes,
+        "replay_saved_bytes": metrics.graph_bytes_max,
+        "prompt_chunk_saved_bytes": metrics.prompt_graph_bytes_max,
+        "prefix_bytes": metrics.prefix_bytes,
+        "dkv_bytes": metrics.dkv_bytes,
+        "seconds": round(time.perf_counter() - t0, 1),
+        **reset.report(),
+    }
+
+
+def worker_naive(args) -> dict:
+    from longstraw.memory import PeakMeter
+    from longstraw.scoring import token_logprobs
+
+    model = build(args, True)
+    tokens_P, responses = _inputs(args, model.config.vocab_size)
+    meter = PeakMeter("cpu")
+    meter.start()
+    t0 = time.perf_counter()
+    for i, r in enumerate(responses):
+        logits = model(input_ids=torch.cat([tokens_P, r[:-1]])[None], logits_to_keep=r.shape[0]).logits[0]
+        objective(i, token_logprobs(logits, r), None)[0].backward()
+        del logits
+    return {"peak_bytes": meter.peak(), "seconds": round(time.perf_counter() - t0, 1), **meter.report()}
+
+
+def worker(args) -> dict:
+    torch.set_num_threads(args.threads)
+    if args.worker == "equality":
+        return worker_equality(args)
+    if args.worker == "naive":
+        return worker_naive(args)
+    factored = args.worker != "materialized"
+    return worker_update(args, factored, ckpt=args.worker == "factored_ckpt")
+
+
+def run_worker(args, config: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", config]
+    for key in ("shape", "layers", "prompt_len", "group", "response_len", "chunk", "rank", "threads"):
+        cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"worker {config} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"{config}: {json.dumps(result)} ({time.time() - t0:.0f} s)", file=sys.stderr)
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    configs = args.configs.split(",") if args.configs else ["equality", "materialized", "factored", "factored_ckpt"]
+    if not args.configs and args.prompt_len >= 2048:
+        configs = ["factored_ckpt", "naive"]  # the long-prompt comparison only
+    runs = {c: run_worker(args, c) for c in configs}
+
+    def ratio(a, b):
+        return round(a / b, 3) if a and b else None
+
+    L, R = args.layers, args.response_len
+    summary = {}
+    if "materialized" in runs and "factored" in runs:
+        summary["materialized_over_factored_saved_bytes"] = ratio(
+            runs["materialized"]["replay_saved_bytes"], runs["factored"]["replay_saved_bytes"]
+        )
+    if "equality" in runs:
+        summary.update({k: v for k, v in runs["equality"].items() if k.startswith(("factored_", "bf16_vs"))})
+    if "factored" in runs and "factored_ckpt" in runs:
+        summary["replay_saved_bytes_ckpt_over_plain"] = ratio(
+            runs["factored_ckpt"]["replay_saved_bytes"], runs["factored"]["replay_saved_bytes"]
+        )
+    if "naive" in runs:
+        summary["naive_over_exact_memory"] = ratio(runs["naive"]["peak_bytes"], runs["factored_ckpt"]["peak_bytes"])
+        summary["naive_over_exact_time"] = ratio(runs["naive"]["seconds"], runs["factored_ckpt"]["seconds"])
+    per_layer = {}
+    for name in ("materialized", "factored", "factored_ckpt"):
+        if name in runs:
+            per_layer[f"{name}_replay_saved_bytes_per_token_layer"] = runs[name]["replay_saved_bytes"] / (R * L)
+            # A prompt chunk runs every layer but the last in full (the last stops at its K/V): L - 1 full layers.
+            per_layer[f"{name}_chunk_saved_bytes_per_token_layer"] = runs[name]["prompt_chunk_saved_bytes"] / (
+                min(args.chunk, args.prompt_len - 1) * max(1, L - 1)
+            )
+    summary.update(
+        shape=args.shape,
+        layers=L,
+        P=args.prompt_len,
+        G=args.group,
+        R=R,
+        chunk=args.chunk,
+        lora_rank=args.rank,
+        dtype="bfloat16",
+        device="cpu",
+        per_layer=per_layer,
+        runs=runs,
+    )
+    if args.save:
+        os.makedirs(MEASURED, exist_ok=True)
+        path = os.path.join(MEASURED, f"{args.shape}.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({**summary, "date": time.strftime("%Y-%m-%d"), "machine": "CPU-2"}, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The per-GPU memory plan of a LongStraw learner rank: every term from real dims or measured per-layer figures.
+
+    weights        the frozen base in its dtype: parameters counted from the real config (they reproduce the published
+                   totals), experts divided over the expert-parallel group
+    lora + optim   LoRA parameters from the dims and the rank; bf16 weights and gradients, fp32 master copy and two
+                   Adam moments, the fp32 part sharded over the data-parallel ranks (ZeRO-1)
+    prefix K/V     P x layers x 2 x kv_heads x head_dim in the dtype, over the context-parallel group
+    prefix dK/dV   exact mode: the same in fp32
+    prompt chunk   measured bytes saved per token per layer by one checkpointed prompt-backward chunk x C x layers
+    replay         measured bytes saved per token per layer by a checkpointed replay x R x layers, plus one layer
+                   recomputed in full (the uncheckpointed per-token-layer figure x R) and the scoring transient
+    rollout KV     on the rollout GPUs, not the learner's: G sequences of P + R tokens of K/V per engine
+The measured figures come from bench/real_shapes.py (mint/models/measured/<shape>.json). Nothing is inferred from
+the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mint.errors import ConfigError
+from mint.models.shapes import RealShape
+
+MEASURED = Path(__file__).parent / "measured"
+GiB = 2**30
+# Allocator fragmentation, the CUDA context and NCCL buffers: plan for 90% of the card.
+USABLE = 0.9
+# Two fp32 [rows, V] blocks of the fused log-prob's CPU path / about that on GPU.
+SCORE_BYTES = 2 * (1 << 21) * 4
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt_len: int
+    group: int
+    response_len: int
+    lora_rank: int = 32
+    chunk: int = 1024
+    mode: str = "exact"
+    data_parallel: int = 1  # learner ranks sharing the ZeRO-1 optimizer state
+    expert_parallel: int = 1
+    context_parallel: int = 1
+    dtype_bytes: int = 2
+
+
+@dataclass
+class Plan:
+    shape: RealShape
+    job: Job
+    gpu_bytes: int
+    terms: dict[str, float] = field(default_factory=dict)
+    rollout_kv: float = 0.0  # on the rollout engines' GPUs, not the learner's: shown, not added
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= USABLE * self.gpu_bytes
+
+    def table(self) -> str:
+        rows = [f"| {name} | {value / GiB:,.2f} |" for name, value in self.terms.items()]
+        verdict = "fits" if self.fits else "does NOT fit"
+        head = (
+            f"{self.shape.name}: P={self.job.prompt_len}, G={self.job.group}, R={self.job.response_len}, "
+            f"LoRA r={self.job.lora_rank}, {self.job.mode}, DP={self.job.data_parallel}, "
+            f"EP={self.job.expert_parallel}, CP={self.job.context_parallel}"
+        )
+        return "\n".join(
+            [
+                head,
+                "",
+                "| term (per learner GPU) | GiB |",
+                "|---|---|",
+                *rows,
+                f"| **total** | **{self.total / GiB:,.2f}** |",
+                "",
+                f"{verdict} in {self.gpu_bytes / GiB:.0f} GiB "
+                f"({USABLE:.0%} usable: {USABLE * self.gpu_bytes / GiB:.1f} GiB)",
+                f"rollout engines hold {self.rollout_kv / GiB:,.2f} GiB of K/V per group of G sequences (their GPUs)",
+            ]
+        )
+
+
+def measured(shape_key: str) -> dict:
+    path = MEASURED / f"{shape_key}.json"
+    if not path.exists():
+        raise ConfigError(
+            f"no measured per-layer figures for {shape_key}: run bench/real_shapes.py --shape {shape_key} --save"
+        )
+    return json.loads(path.read_text())
+
+
+def param_counts(s: RealShape) -> dict[str, int]:
+    """Parameter counts by part, from the dims (cross-checked against the published totals in tests)."""
+    attn = s.hidden * s.heads * s.head_dim * 2 + s.hidden * s.kv_heads * s.head_dim * 2
+    experts = s.experts * 3 * s.hidden * s.moe_intermediate
+    shared = 3 * s.hidden * s.shared_intermediate
+    router = s.experts * s.hidden
+    dense = 3 * s.hidden * s.intermediate
+    return {
+        "embed_head": 2 * s.vocab * s.hidden,
+        "attention": s.layers * attn,
+        "experts": s.moe_layers * experts,
+        "shared_router_dense": s.moe_layers * (shared + router) + s.dense_layers * dense,
+    }
+
+
+def lora_params(s: RealShape, rank: int) -> int:
+    """LoRA on q, k, v, o and on the fused experts (gate_up and down), as mint's default [lora] section puts it."""
+    q = rank * (s.hidden + s.heads * s.head_dim)
+    kv = 2 * rank * (s.hidden + s.kv_heads * s.head_dim)
+    o = rank * (s.heads * s.head_dim + s.hidden)
+    experts = s.experts * rank * ((s.hidden + 2 * s.moe_intermediate) + (s.moe_intermediate + s.hidden))
+    return s.layers * (q + kv + o) + s.moe_layers * experts
+
+
+def make_plan(s: RealShape, shape_key: str, job: Job, gpu_bytes: int) -> Plan:
+    if job.mode not in ("exact", "detached"):
+        raise ConfigError(f"plan: mode {job.mode!r} is not exact or detached")
+    m = measured(shape_key)["per_layer"]
+    counts = param_counts(s)
+    b = job.dtype_bytes
+    weights = (counts["embed_head"] + counts["attention"] + counts["shared_router_dense"]) * b
+    weights += counts["experts"] * b / job.expert_parallel
+    n_lora = lora_params(s, job.lora_rank)
+    optim = n_lora * (2 * b + 12 / job.data_parallel)
+    kv_token = s.layers * 2 * s.kv_heads * s.head_dim
+    prefix = job.prompt_len * kv_token * b / job.context_parallel
+    terms = {
+        "frozen base weights": weights,
+        "LoRA + grads + AdamW (ZeRO-1)": optim,
+        "prefix K/V": prefix,
+    }
+    if job.mode == "exact":
+        terms["prefix dK/dV (fp32)"] = job.prompt_len * kv_token * 4 / job.context_parallel
+        chunk = min(job.chunk, job.prompt_len)
+        per_token = m["factored_ckpt_chunk_saved_bytes_per_token_layer"]
+        terms["prompt-backward chunk graph"] = per_token * chunk * (s.layers - 1)
+    replay = m["factored_ckpt_replay_saved_bytes_per_token_layer"] * job.response_len * s.layers
+    replay += m["factored_replay_saved_bytes_per_token_layer"] * job.response_len  # one layer recomputed whole
+    terms["replay graph (checkpointed) + scoring"] = replay + SCORE_BYTES
+    rollout_kv = job.group * (job.prompt_len + job.response_len) * kv_token * b
+    return Plan(s, job, gpu_bytes, terms, rollout_kv)
+
+
+def largest_prompt(s: RealShape, shape_key: str, job: Job, gpu_bytes: int, ceiling: int = 1 << 24) -> int:
+    """The largest P (a multiple of 1024) at the job's G and R whose plan fits; 0 when none does."""
+    lo, hi = 0, ceiling // 1024
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        job_mid = Job(**{**job.__dict__, "prompt_len": mid * 1024})
+        if make_plan(s, shape_key, job_mid, gpu_bytes).fits:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * 1024
+
+
+def parse_bytes(text: str) -> int:
+    """'96GB', '96GiB', '141G' -> bytes (GB and G read as GiB, as GPU spec sheets mean them)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"G": GiB, "T": 1024 * GiB, "M": 2**20}.get(t[-1:])
+    try:
+        return int(float(t[:-1]) * scale) if scale else int(float(t))
+    except ValueError:
+        raise ConfigError(f"--gpu-memory: {text!r} is not a size like 96GB") from None
+
+
+# Hub ids a recipe may name, mapped to their real shape.
+HUB_IDS = {
+    "Qwen/Qwen3-30B-A3B": "qwen3_30b_a3b",
+    "Qwen/Qwen3-30B-A3B-Base": "qwen3_30b_a3b",
+    "Qwen/Qwen3-235B-A22B": "qwen3_235b_a22b",
+    "zai-org/GLM-4.5-Air": "glm45_air",
+}
