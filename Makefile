@@ -39,6 +39,8 @@ bench: setup
 	$(BIN)/python bench/r3_mismatch.py
 	$(BIN)/python bench/mint_catalog.py
 	$(BIN)/python bench/longstraw_memory.py --prompt-len 4096 --response-len 128 --flat-groups ""
+	$(BIN)/python bench/serve_load.py
+	$(BIN)/python bench/real_shapes.py
 	$(BIN)/python -m pip install -q trl
 	$(BIN)/python bench/peer_trl.py
 

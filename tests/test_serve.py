@@ -39,10 +39,10 @@ def _publish(cat: Catalog, base: str, seed: int, step: int, parent: str | None) 
     return cat.put(lora_state(model), config, run="s", step=step, parent=parent, base_fingerprint=fp).id
 
 
-def start_server(base: str, catalog: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(base: str, catalog: str, log: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """`python -m mint.cli serve` on 127.0.0.1 with a free port; returns (process, url) once it listens."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "mint.cli", "serve", "--base", base, "--catalog", catalog, "--port", "0"]
+    cmd = [sys.executable, "-m", "mint.cli", "serve", "--base", base, "--catalog", catalog, "--port", "0", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)  # noqa: SIM115
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
@@ -162,6 +162,7 @@ def test_chat_completions_use_the_chat_template(served):
 
 
 def test_concurrent_requests_match_sequential_ones(served):
+    """Concurrent requests are decoded in shared batches (issue 15); each still gets what it gets alone."""
     url = served["url"]
     for name, ref in (("a", served["a"]), ("b", "best-b")):
         call(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": ref})
@@ -196,7 +197,8 @@ def test_refusals_and_unload(served):
     status, err = call(url, "/v1/completions", {"model": "nope", "prompt": [1, 2]})
     assert status == 404
     assert call(url, "/v1/completions", raw=b"{not json")[0] == 400
-    assert call(url, "/v1/completions", {"model": "b", "prompt": [1, 2], "stream": True})[0] == 400
+    status, err = call(url, "/v1/completions", {"model": "b", "prompt": [1, 2], "tools": [{"type": "function"}]})
+    assert status == 400 and "tools" in err["error"]["message"]  # refused by name, never silently ignored
     assert call(url, "/v1/completions", {"model": "b", "prompt": [1, 2], "max_tokens": 0})[0] == 400
     assert call(url, "/v1/unload_lora_adapter", {"lora_name": "b"})[0] == 200
     assert "b" not in [m["id"] for m in call(url, "/v1/models")[1]["data"]]
@@ -253,3 +255,56 @@ def test_serve_the_revision_a_training_run_published(tmp_path):
             assert (torch.tensor(choice["logprobs"]["token_logprobs"]) - expected).abs().max() < 1e-4
     finally:
         assert stop_server(proc) == 0
+
+
+def test_batched_decode_equals_the_engine_alone(served):
+    """Issue 15's batching, in process: a request decoded alone is `RolloutEngine.generate` bit for bit (tokens,
+    logprobs, routes); decoded in one batch with others of other prompt lengths and sampling settings, it keeps its
+    tokens and routes, and its logprobs move only by float reassociation."""
+    from transformers import AutoTokenizer
+
+    from mint.hub._serve_decode import BatchDecoder, Job
+    from mint.rollout import RolloutEngine, SamplingParams
+
+    model = load_model(served["base"])
+    tokenizer = AutoTokenizer.from_pretrained(served["base"])
+    eos = (tokenizer.eos_token_id,)
+    engine = RolloutEngine(model, eos)
+    prompts = [[5, 77, 131, 12, 300, 41], [9, 8, 7], list(range(20, 45)), [3]]
+    params = [
+        SamplingParams(temperature=0.7, max_tokens=12),
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8),
+        SamplingParams(temperature=0.0, max_tokens=10),
+        SamplingParams(temperature=1.3, max_tokens=20),
+    ]
+
+    def jobs() -> list[Job]:
+        return [
+            Job(None, [p], 3, sp, seed=100 + i, want_routes=True)
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
+
+    def decode(batch: list[Job]) -> list[list]:
+        events: dict[int, list] = {}
+        for job in batch:
+            job.emit = lambda event, key=id(job): events.setdefault(key, []).append(event)
+        with BatchDecoder(model, eos, tokenizer) as decoder:
+            for job in batch:
+                decoder.admit(job)
+            while not decoder.empty:
+                decoder.step()
+        return [events[id(job)][-1][1] for job in batch]  # ("done", choices, Done)
+
+    alone = [decode([job])[0] for job in jobs()]
+    for i, choices in enumerate(alone):
+        group = engine.generate([prompts[i]], 3, params[i], seed=100 + i)[0]
+        for choice, completion in zip(choices, group.completions, strict=True):
+            assert choice.token_ids == completion.tokens_R.tolist()
+            assert choice.logprobs == completion.logprobs_R.tolist()
+            assert choice.routes == completion.routes_R_L_K.tolist()
+            assert choice.finish_reason == completion.finish_reason
+    batched = decode(jobs())
+    for together, apart in zip(batched, alone, strict=True):
+        for a, b in zip(together, apart, strict=True):
+            assert a.token_ids == b.token_ids and a.routes == b.routes
+            assert (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max() < 1e-5

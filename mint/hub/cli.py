@@ -88,6 +88,15 @@ def add_parsers(sub) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--served-model-name", default=None, help="model id of the base (default: --base)")
     p.add_argument("--max-resident", type=int, default=8, help="most revisions resident at once")
+    p.add_argument(
+        "--adapter-root", default=None, help="also load exported adapter directories from under DIR (none outside it)"
+    )
+    p.add_argument("--max-batch", type=int, default=64, help="most requests decoded in one batch (1: one at a time)")
+    p.add_argument("--max-queue", type=int, default=256, help="most requests waiting; more get 429")
+    p.add_argument("--batch-wait-ms", type=float, default=2.0, help="how long a new batch waits for a burst to gather")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take in all (504)")
+    p.add_argument("--read-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (408)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens a request may ask for")
     p.add_argument("--verbose", action="store_true", help="log each request to stderr")
 
 
@@ -236,6 +245,13 @@ def run_command(args) -> int:
             device=args.device,
             served_name=args.served_model_name,
             max_resident=args.max_resident,
+            adapter_root=args.adapter_root,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            batch_wait_ms=args.batch_wait_ms,
+            request_timeout=args.request_timeout,
+            read_timeout=args.read_timeout,
+            max_tokens=args.max_tokens,
         )
         return 0
     raise MintError(f"unknown command {args.command}")
