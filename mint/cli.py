@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory", default="96GB", help="memory per GPU, e.g. 96GB (H20), 141GB (H200)")
     plan.add_argument("--prompt-len", type=int, required=True, help="P: the longest prompt, in tokens")
     plan.add_argument("--shape", default=None, help="qwen3_30b_a3b | qwen3_235b_a22b | glm45_air (default: model.path)")
+    plan.add_argument("--expert-parallel", type=int, default=1, help="EP group size (experts split over it)")
+    plan.add_argument("--context-parallel", type=int, default=1, help="CP group size (prefix pages split over it)")
     add_parsers(sub)
     return parser
 
@@ -104,6 +106,8 @@ def _plan(args) -> int:
         chunk=config.longstraw.chunk_size,
         mode="detached" if config.longstraw.mode != "exact" else "exact",
         data_parallel=args.gpus,
+        expert_parallel=args.expert_parallel,
+        context_parallel=args.context_parallel,
         dtype_bytes=4 if config.model.dtype == "float32" else 2,
     )
     result = make_plan(shape(key), key, job, parse_bytes(args.gpu_memory))

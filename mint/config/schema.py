@@ -25,7 +25,7 @@ def knob(default: Any, help: str, *, min: float | None = None, max: float | None
 class ModelConfig:
     path: str = knob(
         "tiny:qwen3_moe",
-        "Base model: a hub id, a local directory, or tiny:qwen3_moe / tiny:qwen2_moe "
+        "Base model: a hub id, a local directory, or tiny:qwen3_moe / tiny:qwen2_moe / tiny:glm4_moe "
         "for the embedded tiny bases (built locally and cached, never downloaded).",
     )
     dtype: str = knob(

@@ -109,13 +109,18 @@ def param_counts(s: RealShape) -> dict[str, int]:
     }
 
 
-def lora_params(s: RealShape, rank: int) -> int:
-    """LoRA on q, k, v, o and on the fused experts (gate_up and down), as mint's default [lora] section puts it."""
+def lora_param_parts(s: RealShape, rank: int) -> tuple[int, int]:
+    """(attention, experts) LoRA parameters: q, k, v, o and the fused experts' gate_up and down, as mint's default
+    [lora] section puts them."""
     q = rank * (s.hidden + s.heads * s.head_dim)
     kv = 2 * rank * (s.hidden + s.kv_heads * s.head_dim)
     o = rank * (s.heads * s.head_dim + s.hidden)
     experts = s.experts * rank * ((s.hidden + 2 * s.moe_intermediate) + (s.moe_intermediate + s.hidden))
-    return s.layers * (q + kv + o) + s.moe_layers * experts
+    return s.layers * (q + kv + o), s.moe_layers * experts
+
+
+def lora_params(s: RealShape, rank: int) -> int:
+    return sum(lora_param_parts(s, rank))
 
 
 def make_plan(s: RealShape, shape_key: str, job: Job, gpu_bytes: int) -> Plan:
@@ -126,7 +131,8 @@ def make_plan(s: RealShape, shape_key: str, job: Job, gpu_bytes: int) -> Plan:
     b = job.dtype_bytes
     weights = (counts["embed_head"] + counts["attention"] + counts["shared_router_dense"]) * b
     weights += counts["experts"] * b / job.expert_parallel
-    n_lora = lora_params(s, job.lora_rank)
+    attn_lora, expert_lora = lora_param_parts(s, job.lora_rank)
+    n_lora = attn_lora + expert_lora / job.expert_parallel  # a rank holds its experts' LoRA only
     optim = n_lora * (2 * b + 12 / job.data_parallel)
     kv_token = s.layers * 2 * s.kv_heads * s.head_dim
     prefix = job.prompt_len * kv_token * b / job.context_parallel
