@@ -55,6 +55,8 @@ def factor_experts(peft_model: nn.Module) -> int:
         if not wrappers or id(module) in inner:
             continue
         inner.update(id(w) for w in wrappers[1:])
+        if hasattr(module, "_mint_expert_shard"):  # expert-parallel: its forward already dispatches (expert_parallel)
+            continue
         _check_layout(name, wrappers)
         if not is_factored(module):
             module.forward = types.MethodType(_factored_forward, module)

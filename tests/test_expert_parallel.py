@@ -1,0 +1,380 @@
+"""Expert parallel (issue 12): the sharded layout against the unsharded result (STYLE rule 14), on 2 and 4 gloo ranks.
+
+Ranks are forked processes in one gloo group; each returns its tensors to the test, which compares them with a
+single-process computation over the same data. Different token counts per rank (one rank with none), experts that
+receive no rows, and transformers' "no expert" sentinel id are covered.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import traceback
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from longstraw.expert_parallel import combine, dispatch
+
+ATOL, RTOL = 1e-5, 1e-5
+H, D_OUT, K = 16, 12, 2
+TOKENS = {2: [7, 4], 4: [6, 0, 9, 3]}  # tokens per rank: different counts, and a rank with none
+
+
+# ---- ranks -----------------------------------------------------------------------------------------------------------
+
+
+def run_ranks(tmp_path, world: int, fn, *args, timeout: float = 240.0) -> list:
+    """fn(rank, world, *args) on `world` forked processes in one gloo group; returns their results in rank order."""
+    ctx = mp.get_context("fork")  # fork: the children reuse the imported torch/transformers (spawn costs ~10 s each)
+    run_dir = tmp_path / f"ranks_{fn.__name__}_{world}_{os.getpid()}_{len(list(tmp_path.iterdir()))}"
+    run_dir.mkdir()
+    procs = [ctx.Process(target=_rank_main, args=(str(run_dir), r, world, fn, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    errors = [(run_dir / f"error_{r}.txt") for r in range(world)]
+    # The rank that failed first, then its peers (which only report the closed connection).
+    failed = sorted((e.read_text() for e in errors if e.exists()), key=lambda text: "by peer" in text)
+    assert not failed, "\n".join(failed)
+    assert [p.exitcode for p in procs] == [0] * world, [p.exitcode for p in procs]
+    return [torch.load(run_dir / f"result_{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _rank_main(run_dir: str, rank: int, world: int, fn, args) -> None:
+    code = 0
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{run_dir}/store",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        result = fn(rank, world, *args)
+        torch.save(result, f"{run_dir}/result_{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        with open(f"{run_dir}/error_{rank}.txt", "w") as f:
+            f.write(f"rank {rank}:\n{traceback.format_exc()}")
+        code = 1
+    os._exit(code)  # skip pytest's atexit handlers in the forked child
+
+
+# ---- dispatch / combine ----------------------------------------------------------------------------------------------
+
+
+def _rank_data(rank: int, T: int, E: int, experts: list[int] | None = None, sentinel: bool = False):
+    """x [T, H], distinct ids [T, k] (drawn from `experts` when given), weights [T, k]; reproducible per rank."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(T, H, generator=gen)
+    pool = torch.tensor(experts if experts is not None else list(range(E)))
+    scores = torch.rand(T, len(pool), generator=gen)
+    ids = pool[scores.topk(K, dim=-1).indices]
+    if sentinel and T > 1:
+        ids[1, 1] = E  # transformers' "no expert": skipped
+    weights = torch.rand(T, K, generator=gen)
+    return x, ids, weights
+
+
+def _weights(E: int) -> torch.Tensor:
+    return torch.randn(E, D_OUT, H, generator=torch.Generator().manual_seed(7)) / H**0.5
+
+
+def _reference_linear(x, ids, weights, W_E_O_I):
+    """out[t] = sum_j w[t, j] W[ids[t, j]] x[t], one process, all experts; sentinel ids contribute 0."""
+    E = W_E_O_I.shape[0]
+    padded = torch.cat([W_E_O_I, W_E_O_I.new_zeros(1, *W_E_O_I.shape[1:])])
+    y_T_K_O = torch.einsum("tkoi,ti->tko", padded[ids.clamp(max=E)], x)
+    return (y_T_K_O * weights[..., None]).sum(1)
+
+
+def _identity_rank(rank, world, E, experts, sentinel):
+    x, ids, w = _rank_data(rank, TOKENS[world][rank], E, experts, sentinel)
+    x_local, offsets, plan = dispatch(x, ids, None, E // world)
+    assert offsets[0] == 0 and offsets[-1] == x_local.shape[0] and bool((offsets.diff() >= 0).all())
+    return {"out": combine(x_local, plan, w, x.shape[0]), "offsets": offsets}
+
+
+def _linear_rank(rank, world, E, experts, sentinel):
+    """A per-expert linear map run on the owning rank; the loss sums each rank's output times a fixed target."""
+    E_local = E // world
+    x, ids, w = _rank_data(rank, TOKENS[world][rank], E, experts, sentinel)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    W_local = _weights(E)[rank * E_local : (rank + 1) * E_local].clone().requires_grad_(True)
+    x_local, offsets, plan = dispatch(x, ids, None, E_local)
+    ends = offsets.tolist()
+    y_local = torch.cat([x_local[ends[e] : ends[e + 1]] @ W_local[e].T for e in range(E_local)])
+    out = combine(y_local, plan, w, x.shape[0])
+    target = torch.randn(out.shape, generator=torch.Generator().manual_seed(200 + rank))
+    (out * target).sum().backward()
+    return {"out": out.detach(), "dx": x.grad, "dw": w.grad, "dW_local": W_local.grad, "target": target}
+
+
+CASES = {
+    "all_experts": (None, False),
+    "sentinel": (None, True),
+    "idle_experts": ([0, 1], False),  # rank 1 (of 2) or ranks 1-3 (of 4, with 8 experts) receive no rows
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("world", [2, 4])
+def test_dispatch_identity_combine_is_the_weighted_sum_over_k(tmp_path, world, case):
+    E = 2 * world
+    experts, sentinel = CASES[case]
+    results = run_ranks(tmp_path, world, _identity_rank, E, experts, sentinel)
+    for rank, got in enumerate(results):
+        x, ids, w = _rank_data(rank, TOKENS[world][rank], E, experts, sentinel)
+        expected = (x[:, None, :] * (w * (ids < E))[..., None]).sum(1)
+        torch.testing.assert_close(got["out"], expected, atol=ATOL, rtol=RTOL)
+        assert got["offsets"].shape == (E // world + 1,)
+    if case == "idle_experts":
+        assert all(int(r["offsets"][-1]) == 0 for r in results[1:])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("world", [2, 4])
+def test_per_expert_linear_and_gradients_equal_one_process(tmp_path, world, case):
+    E = 2 * world
+    E_local = E // world
+    experts, sentinel = CASES[case]
+    results = run_ranks(tmp_path, world, _linear_rank, E, experts, sentinel)
+    W = _weights(E).requires_grad_(True)
+    for rank, got in enumerate(results):
+        x, ids, w = _rank_data(rank, TOKENS[world][rank], E, experts, sentinel)
+        x.requires_grad_(True)
+        w.requires_grad_(True)
+        out = _reference_linear(x, ids, w, W)
+        (out * got["target"]).sum().backward()  # W.grad accumulates every rank's tokens, as the owners' do
+        torch.testing.assert_close(got["out"], out.detach(), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(got["dx"], x.grad, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(got["dw"], w.grad, atol=ATOL, rtol=RTOL)
+    dW = torch.cat([r["dW_local"] for r in results])
+    torch.testing.assert_close(dW, W.grad, atol=ATOL, rtol=RTOL)
+    assert W.grad[:E_local].abs().sum() > 0
+
+
+def _bytes_rank(rank, world, E):
+    """Count every all_to_all payload that leaves this rank, forward and backward."""
+    sent = {"bytes": 0}
+    original = dist.all_to_all_single
+
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        row = input[0].numel() * input.element_size() if input.shape[0] else 0
+        splits = input_split_sizes or [input.shape[0] // world] * world
+        sent["bytes"] += row * (sum(splits) - splits[rank])
+        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = counting
+    try:
+        got = _linear_rank(rank, world, E, None, False)
+    finally:
+        dist.all_to_all_single = original
+    return {"sent": sent["bytes"], **got}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_communication_bytes_match_the_formula(tmp_path, world):
+    """Every off-rank pair (token on rank s, expert on rank d != s) moves H·b out and D_OUT·b back in the forward,
+    and the same two the other way in backward (b = 4, fp32). So rank r sends (counts, then rows)
+        (ep - 1)·E_local·8 + (pairs it sends out + rows it serves for other ranks)·(H + D_OUT)·b."""
+    E = 2 * world
+    E_local = E // world
+    results = run_ranks(tmp_path, world, _bytes_rank, E)
+    owner = [torch.div(_rank_data(s, TOKENS[world][s], E)[1], E_local, rounding_mode="floor") for s in range(world)]
+    total_off_rank = 0
+    for rank, got in enumerate(results):
+        out_pairs = int((owner[rank] != rank).sum())
+        served = sum(int((owner[s] == rank).sum()) for s in range(world) if s != rank)
+        formula = (world - 1) * E_local * 8 + (out_pairs + served) * (H + D_OUT) * 4
+        assert got["sent"] == formula, (rank, got["sent"], formula)
+        total_off_rank += out_pairs
+    rows_bytes = sum(r["sent"] for r in results) - world * (world - 1) * E_local * 8
+    assert rows_bytes == 2 * total_off_rank * (H + D_OUT) * 4  # per off-rank pair, forward and backward
+
+
+# ---- the EP-aware experts on a tiny Qwen3-MoE ------------------------------------------------------------------------
+
+SHAPES = {0: (2, 9), 1: (1, 13), 2: (1, 5), 3: (3, 4)}  # each rank's own batch [B, S]: different token counts
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    from conftest import build_random_tiny
+
+    return build_random_tiny("qwen3_moe", str(tmp_path_factory.mktemp("ep_qwen3")))
+
+
+@pytest.fixture(scope="module")
+def adapter_state(tiny_path) -> dict:
+    """A trained-looking adapter: PEFT's seeded A and a non-zero B (B = 0 would hide a wrong B mapping)."""
+    from mint.models.lora import lora_state
+
+    state = lora_state(_model(tiny_path))
+    gen = torch.Generator().manual_seed(3)
+    return {k: torch.randn(v.shape, generator=gen) * 0.05 if "lora_B" in k else v for k, v in sorted(state.items())}
+
+
+def _model(path: str, state: dict | None = None):
+    from conftest import load_fp32
+
+    from mint.config import LoraConfig
+    from mint.models.lora import add_lora, load_lora_state
+
+    base = load_fp32(path)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    model = add_lora(base, LoraConfig(), seed=0)
+    if state is not None:
+        load_lora_state(model, state)
+    return model
+
+
+def _batch(rank: int, vocab: int):
+    B, S = SHAPES[rank]
+    gen = torch.Generator().manual_seed(40 + rank)
+    ids = torch.randint(0, vocab, (B, S), generator=gen)
+    return ids, torch.randn(B, S, vocab, generator=gen)
+
+
+def _routes(rank: int, T: int, layers: int) -> torch.Tensor:
+    """Recorded routes that only use experts 0 and 1 (owned by rank 0 of 2): the other ranks' experts idle."""
+    flip = torch.rand(T, layers, generator=torch.Generator().manual_seed(60 + rank)) < 0.5
+    return torch.stack([flip.long(), 1 - flip.long()], dim=-1)
+
+
+def _forward(model, rank: int, replay_routes: bool):
+    from longstraw.routing import RouteReplay
+
+    ids, target = _batch(rank, model.config.vocab_size)
+    if not replay_routes:
+        return model(ids).logits, target
+    with RouteReplay(model) as replay:
+        routes = _routes(rank, ids.numel(), replay.num_layers)
+        replay.set(routes, torch.ones(ids.numel(), dtype=torch.bool))
+        return model(ids).logits, target
+
+
+def _ep_model_rank(rank, world, path, state, replay_routes):
+    from mint.models.expert_parallel import (
+        expert_bytes,
+        gather_expert_lora,
+        is_sharded,
+        load_full_lora_state,
+        shard_experts,
+    )
+
+    model = _model(path, state)
+    full_bytes = expert_bytes(model)
+    full_experts = [weakref.ref(p) for n, p in model.named_parameters() if "mlp.experts" in n]
+    assert shard_experts(model, None) == model.config.num_hidden_layers
+    gc.collect()
+    assert all(ref() is None for ref in full_experts)  # nothing holds the full stacks or the full factors any more
+    assert sum(is_sharded(m) for m in model.modules()) == model.config.num_hidden_layers
+    logits, target = _forward(model, rank, replay_routes)
+    (logits * target).sum().backward()
+    for name, p in model.named_parameters():  # replicated LoRA: each rank's own tokens, summed as DP would
+        if p.requires_grad and "mlp.experts" not in name:
+            dist.all_reduce(p.grad)
+    with torch.no_grad(), model.disable_adapter():
+        base_logits = _forward(model, rank, replay_routes)[0]
+    fresh = _model(path)  # a full state loads into a sharded model, each rank taking its experts
+    shard_experts(fresh, None)
+    load_full_lora_state(fresh, state)
+    params = dict(model.named_parameters())
+    assert all(torch.equal(p, params[n]) for n, p in fresh.named_parameters())
+    return {
+        "logits": logits.detach(),
+        "base_logits": base_logits,
+        "grads": gather_expert_lora(model, None, grads=True),
+        "state": gather_expert_lora(model, None),
+        "bytes": expert_bytes(model),
+        "full_bytes": full_bytes,
+    }
+
+
+@pytest.mark.parametrize(("world", "replay_routes"), [(2, False), (4, False), (2, True)])
+def test_ep_model_logits_and_lora_gradients_equal_one_rank(tmp_path, tiny_path, adapter_state, world, replay_routes):
+    """EP over 2 and 4 ranks (1 expert each) against the single-rank factored model run on every rank's batch;
+    with replay_routes the R3 routes use experts 0 and 1 only, so on 2 ranks rank 1 receives no rows."""
+    from mint.models.lora import lora_state
+
+    results = run_ranks(tmp_path, world, _ep_model_rank, tiny_path, adapter_state, replay_routes)
+    model = _model(tiny_path, adapter_state)
+    for rank, got in enumerate(results):
+        logits, target = _forward(model, rank, replay_routes)
+        (logits * target).sum().backward()  # grads accumulate over every rank's batch
+        torch.testing.assert_close(got["logits"], logits.detach(), atol=ATOL, rtol=RTOL)
+        with torch.no_grad(), model.disable_adapter():
+            base = _forward(model, rank, replay_routes)[0]
+        torch.testing.assert_close(got["base_logits"], base, atol=ATOL, rtol=RTOL)
+    grads = results[0]["grads"]
+    expected = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert grads.keys() == expected.keys() == lora_state(model).keys()
+    for name, g in expected.items():
+        if not replay_routes or "mlp.experts" not in name:
+            assert g.abs().sum() > 0, name
+        torch.testing.assert_close(grads[name], g, atol=ATOL, rtol=RTOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert results[0]["state"].keys() == adapter_state.keys()
+    assert all(torch.equal(results[0]["state"][k], adapter_state[k]) for k in adapter_state)
+    assert all(r["grads"] == {} and r["state"] == {} for r in results[1:])
+    for got in results:  # the expert weights really dropped: storage bytes, base stacks and their LoRA
+        assert got["bytes"]["base"] * world == got["full_bytes"]["base"]
+        assert got["bytes"]["lora"] * world == got["full_bytes"]["lora"]
+
+
+# ---- loading only the local experts ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fused_path(tiny_path, tmp_path_factory) -> str:
+    """The same base saved with fused stacks (experts.gate_up_proj [E, 2I, H]), as transformers holds it in memory."""
+    import shutil
+
+    from conftest import load_fp32
+    from safetensors.torch import save_file
+
+    out = tmp_path_factory.mktemp("ep_qwen3_fused")
+    shutil.copy(f"{tiny_path}/config.json", out / "config.json")
+    save_file({k: v.contiguous() for k, v in load_fp32(tiny_path).state_dict().items()}, str(out / "model.safetensors"))
+    return str(out)
+
+
+def _load_rank(rank, world, path, reference_path):
+    from mint.config import LoraConfig
+    from mint.models.expert_parallel import load_expert_parallel, shard_experts
+
+    model, read = load_expert_parallel(path, None, LoraConfig(), seed=0)
+    reference = _model(reference_path)
+    shard_experts(reference, None)
+    got, want = model.state_dict(), reference.state_dict()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key].shape == want[key].shape and torch.equal(got[key], want[key]), key
+    ids, _ = _batch(rank, model.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=0, rtol=0)
+    return read
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_load_reads_only_local_experts_and_equals_sharding_a_full_load(tmp_path, tiny_path, fused_path, world, layout):
+    """Expert bytes read per rank = 1/ep of the checkpoint's (2 MoE layers x 4 experts: 196,608 of 393,216 bytes on
+    2 ranks, 98,304 on 4); the dense weights are read whole (151,552 bytes)."""
+    path = tiny_path if layout == "per_expert" else fused_path
+    results = run_ranks(tmp_path, world, _load_rank, path, tiny_path)
+    for read in results:
+        assert read["experts"] * world == read["experts_total"], read
+        assert read["dense"] > 0
