@@ -1,5 +1,6 @@
 """`mint` command line: `mint train RECIPE [section.key=value ...] [--resume]`, `mint keys`, and the catalog's
-commands (`mint revisions list|show|lineage|tag|gc|verify`, `mint export`, `mint serve`; see mint/hub/cli.py).
+commands (`mint revisions list|show|lineage|tag|gc|verify`, `mint export`, `mint serve`; see mint/hub/cli.py), and
+`mint report RUN_DIR [--out DIR]` (plots and report.md of a run; mint/train/report.py).
 
 A MintError (bad recipe, bad data path, unknown reward...), raised here or inside a Ray actor, prints one line and
 exits 2 for configuration errors, 1 otherwise; no traceback. Ctrl-C exits 130 (docs/reliability.md). The last line
@@ -37,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--shape", default=None, help="qwen3_30b_a3b | qwen3_235b_a22b | glm45_air (default: model.path)")
     plan.add_argument("--expert-parallel", type=int, default=1, help="EP group size (experts split over it)")
     plan.add_argument("--context-parallel", type=int, default=1, help="CP group size (prefix pages split over it)")
+    report = sub.add_parser("report", help="plots and a markdown report of a run directory")
+    report.add_argument("run", help="a run directory, e.g. runs/smoke")
+    report.add_argument("--out", default=None, help="where report.md and plots/ go (default: the run directory)")
     add_parsers(sub)
     return parser
 
@@ -55,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_catalog_command(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "report":
+            return _report(args)
         if args.command == "keys":
             from mint.config import config_markdown
 
@@ -115,6 +121,19 @@ def _plan(args) -> int:
     largest = largest_prompt(shape(key), key, job, parse_bytes(args.gpu_memory))
     print(f"largest prompt that fits at G={job.group}, R={job.response_len}: P = {largest:,}")
     return 0 if result.fits else 1
+
+
+def _report(args) -> int:
+    """`mint report`: print the path of the report written; exit 2 with one line when RUN is not a run directory."""
+    from mint.train.report import NotARunError, write_report  # matplotlib, only for this command
+
+    try:
+        path = write_report(args.run, args.out)
+    except NotARunError as e:
+        print(f"mint: report: {_one_line(e)}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
 
 
 def _cause(e: BaseException) -> BaseException:
