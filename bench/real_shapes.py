@@ -216,6 +216,10 @@ def main() -> None:
             per_layer[f"{name}_chunk_saved_bytes_per_token_layer"] = runs[name]["prompt_chunk_saved_bytes"] / (
                 min(args.chunk, args.prompt_len - 1) * max(1, L - 1)
             )
+    if "factored_ckpt" in runs:  # what the peak holds beyond the kept terms: one chunk's working buffers
+        r = runs["factored_ckpt"]
+        kept = r["prefix_bytes"] + r["dkv_bytes"] + r["replay_saved_bytes"] + r["prompt_chunk_saved_bytes"]
+        per_layer["factored_ckpt_transient_bytes"] = max(0, r["peak_bytes"] - kept)
     summary.update(
         shape=args.shape,
         layers=L,

@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mint: {kind}: {_one_line(cause)}", file=sys.stderr)
         return 2 if isinstance(cause, ConfigError) else 1
     print(json.dumps(summary), flush=True)
+    _report_after_run(summary["run_dir"])
     if summary.get("interrupted"):
         print(
             f"mint: interrupted after step {summary['steps']}; checkpoint {summary['checkpoint']}; "
@@ -121,6 +122,16 @@ def _plan(args) -> int:
     largest = largest_prompt(shape(key), key, job, parse_bytes(args.gpu_memory))
     print(f"largest prompt that fits at G={job.group}, R={job.response_len}: P = {largest:,}")
     return 0 if result.fits else 1
+
+
+def _report_after_run(run_dir: str) -> None:
+    """Every run ends with its report (`mint report`), named on stderr; a failed report never fails the run."""
+    from mint.train.report import write_report
+
+    try:
+        print(f"mint: report {write_report(run_dir)}", file=sys.stderr)
+    except (MintError, OSError, ValueError) as e:
+        print(f"mint: no report ({_one_line(e)})", file=sys.stderr)
 
 
 def _report(args) -> int:

@@ -160,6 +160,9 @@ def test_exact_run_equals_the_naive_run_step_by_step(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     exact_summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Every run ends with its report (issue 14): the path on stderr, the PNGs beside it.
+    assert f"mint: report {tmp_path / 'exact' / 'report.md'}" in proc.stderr
+    assert len(list((tmp_path / "exact" / "plots").glob("*.png"))) >= 4
     exact_config = json.loads((tmp_path / "exact/config.json").read_text())
     assert exact_config["learner"]["engine"] == "longstraw" and exact_config["longstraw"]["mode"] == "exact"
 

@@ -149,6 +149,8 @@ def make_plan(s: RealShape, shape_key: str, job: Job, gpu_bytes: int) -> Plan:
     replay = m["factored_ckpt_replay_saved_bytes_per_token_layer"] * job.response_len * s.layers
     replay += m["factored_replay_saved_bytes_per_token_layer"] * job.response_len  # one layer recomputed whole
     terms["replay graph (checkpointed) + scoring"] = replay + SCORE_BYTES
+    # Measured: the update's RSS peak above everything it keeps (a chunk's routed-expert buffers, allocator slack).
+    terms["working buffers (measured peak above kept terms)"] = m.get("factored_ckpt_transient_bytes", 0)
     rollout_kv = job.group * (job.prompt_len + job.response_len) * kv_token * b
     return Plan(s, job, gpu_bytes, terms, rollout_kv)
 
