@@ -291,7 +291,7 @@ def test_a_tiny_base_not_built_yet_is_checked_without_building_it(inputs, tmp_pa
         ("model.path=./no/such/dir", "model.path: ./no/such/dir does not exist"),
         ("model.path={inputs}/recipe.toml", "is a file; give the model's directory"),
         ("rollout.max_tokens=256", "rollout.max_tokens: 256 leaves no room for a prompt in the model's 256 positions"),
-        (f"data.reward={REWARD_MODULE}:words", "returned 'yes' on the first example"),
+        (f"data.reward={REWARD_MODULE}:words", "TypeError: returned str, not a number (on the first example"),
         ("data.source=synthetic:nope", "data.source: unknown synthetic task 'nope'"),
         ("data.source={inputs}/missing.jsonl", "data.source: {inputs}/missing.jsonl: no such dataset file"),
         ("data.prompt_key=question", "data.source: {inputs}/long.jsonl: line 1: record has no 'question' key"),

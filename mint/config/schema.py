@@ -59,7 +59,13 @@ class DataConfig:
     )
     prompt_key: str = knob("prompt", "Field holding the prompt (the user message) in a file dataset.")
     answer_key: str = knob("answer", "Field holding the reference answer in a file dataset.")
-    reward: str = knob("exact_match", "Reward function: a built-in name (exact_match, math) or pkg.module:fn.")
+    reward: str = knob(
+        "exact_match",
+        "Reward: one or more name[:weight], comma-separated (the reward is the weighted sum, each logged as "
+        "reward/<name>); built-ins exact_match, math_verify, math (= math_verify), math_rules, or pkg.module:fn "
+        "called as fn(response, answer, **row_fields).",
+    )
+    reward_timeout: float = knob(30.0, "Seconds an async reward call may take; a timeout scores 0.", gt=0.0)
     system_prompt: str = knob("", "System message put before every prompt; empty for none.")
     truncate_prompts: bool = knob(
         False,

@@ -1,8 +1,11 @@
 """Datasets: a prompt/answer source turned into an endless, reproducible stream of batches.
 
-A source is `synthetic:<task>` (an infinite generator from `mint.rl.tasks`) or a `.jsonl` / `.parquet` file whose
-records hold a prompt field and an answer field. A file is read and checked whole at load, so a bad record fails at
-startup with its file, line (or row) and key, never mid-run, and no record is ever skipped.
+A source is `synthetic:<task>` (an infinite generator from `mint.rl.tasks`) or a local path: a `.jsonl`, `.json`,
+`.parquet` or `.csv` file, or a directory written by Hugging Face `Dataset.save_to_disk`. Nothing is ever downloaded:
+a source that is neither `synthetic:` nor an existing path is refused. A record holds a prompt (a string, or a list
+of chat messages `{"role", "content"}`) and an answer; its other fields travel with the Example (`Example.extra`) to
+the reward functions. A source is read and checked whole at load, so a bad record fails at startup with its file,
+line (or row) and key, never mid-run, and no record is ever skipped.
 
 The stream is a pure function of (dataset, seed): example position p never depends on the batch size, and batch k
 of `batches(B, seed)` is positions [k*B, (k+1)*B). So `batches(B, seed, start=k)` yields exactly what an
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -21,10 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from mint.errors import DataError
-from mint.rl.tasks import Example, FirstLastTask, get_task
+from mint.rl.tasks import ROLES, Example, FirstLastTask, get_task
 
 SYNTHETIC_PREFIX = "synthetic:"
-EXTENSIONS = (".jsonl", ".parquet")
+# .jsonl keeps its own reader (line numbers in errors, and answers of mixed types across lines, which Arrow's one
+# type per column refuses); .parquet is read with pyarrow directly, which is what `datasets` would do, minus the
+# cached Arrow copy of the file. .json (an array or JSON lines) and .csv go through `datasets`.
+EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
 
 
 class Dataset:
@@ -61,7 +68,7 @@ class Dataset:
 
 @dataclass(frozen=True)
 class FileDataset(Dataset):
-    """The records of a .jsonl or .parquet file, reshuffled every epoch."""
+    """The records of a local file or saved dataset, reshuffled every epoch."""
 
     source: str
     examples: tuple[Example, ...] = field(repr=False)
@@ -116,30 +123,39 @@ class SyntheticDataset(Dataset):
 
 
 def load_dataset(source: str, prompt_key: str = "prompt", answer_key: str = "answer") -> Dataset:
-    """The dataset named by `source`: `synthetic:<task>`, or a path to a .jsonl or .parquet file.
+    """The dataset named by `source`: `synthetic:<task>`, or a local file (.jsonl, .json, .parquet, .csv) or
+    `save_to_disk` directory. Never the Hugging Face hub: save a hub dataset to disk first.
 
-    File records need `prompt_key` (a string) and `answer_key` (a string or a number; numbers become strings, and an
-    integral float such as 72.0 becomes "72", since parquet often stores integer answers as doubles).
+    Records need `prompt_key` (a string, or a non-empty list of {"role", "content"} messages with roles in
+    system/user/assistant, string contents, the last one the user's) and `answer_key` (a string or a number;
+    numbers become strings, and an integral float such as 72.0 becomes "72", since parquet often stores integer
+    answers as doubles). Every other field must be a JSON value; it lands in `Example.extra`.
     """
     if source.startswith(SYNTHETIC_PREFIX):
         name = source[len(SYNTHETIC_PREFIX) :]
         return SyntheticDataset(source, get_task(name))
     path = Path(source)
-    suffix = path.suffix.lower()
-    if suffix not in EXTENSIONS:
+    if not path.exists():
         raise DataError(
-            f"{source}: unknown dataset extension {suffix or '(none)'!r}; expected .jsonl, .parquet or "
-            f"{SYNTHETIC_PREFIX}<task>"
+            f"{source}: no such dataset file or directory (datasets are read from local paths only, never downloaded; "
+            f"for a hub dataset, save_to_disk it first, or use {SYNTHETIC_PREFIX}<task>)"
         )
-    if not path.is_file():
-        raise DataError(f"{source}: no such dataset file")
-    read = _read_jsonl if suffix == ".jsonl" else _read_parquet
+    if path.is_dir():
+        read = _read_saved
+    else:
+        suffix = path.suffix.lower()
+        if suffix not in EXTENSIONS:
+            raise DataError(
+                f"{source}: unknown dataset extension {suffix or '(none)'!r}; expected {', '.join(EXTENSIONS)}, "
+                f"a save_to_disk directory or {SYNTHETIC_PREFIX}<task>"
+            )
+        read = {".jsonl": _read_jsonl, ".parquet": _read_parquet}.get(suffix, _read_with_datasets)
     try:
         examples = read(source, prompt_key, answer_key)
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{source}: cannot read dataset: {type(e).__name__}: {e}") from None
     if not examples:
-        raise DataError(f"{source}: dataset file has no records")
+        raise DataError(f"{source}: dataset has no records")
     return FileDataset(source, tuple(examples))
 
 
@@ -163,18 +179,52 @@ def _read_parquet(source: str, prompt_key: str, answer_key: str) -> list[Example
     import pyarrow.parquet as pq
 
     try:
-        columns = pq.read_schema(source).names
-        for key in (prompt_key, answer_key):
-            if key not in columns:
-                raise DataError(f"{source}: no {key!r} column (columns: {', '.join(columns)})")
-        table = pq.read_table(source, columns=list(dict.fromkeys((prompt_key, answer_key))))
+        _check_columns(source, pq.read_schema(source).names, prompt_key, answer_key)
+        rows = pq.read_table(source).to_pylist()
     except pa.ArrowException as e:
-        raise DataError(f"{source}: not a readable parquet file: {e}") from None
-    prompts, answers = table.column(prompt_key).to_pylist(), table.column(answer_key).to_pylist()
-    return [
-        _to_example({prompt_key: p, answer_key: a}, f"{source}: row {row} (0-based)", prompt_key, answer_key)
-        for row, (p, a) in enumerate(zip(prompts, answers, strict=True))
-    ]
+        raise DataError(f"{source}: not a readable parquet file: {_one_line(e)}") from None
+    return _rows_to_examples(source, rows, prompt_key, answer_key)
+
+
+def _read_with_datasets(source: str, prompt_key: str, answer_key: str) -> list[Example]:
+    """A .json or .csv file through `datasets`' packaged builders (local, no hub access)."""
+    import datasets  # imported here: it takes about a second
+
+    builder = Path(source).suffix.lower().lstrip(".")
+    # A throwaway cache: the rows are copied out below, so the Arrow copy `datasets` writes is not kept on disk.
+    with tempfile.TemporaryDirectory(prefix="mint-data-") as cache:
+        try:
+            table = datasets.load_dataset(builder, data_files=source, split="train", cache_dir=cache)
+        except Exception as e:  # datasets wraps parse errors in many types (DatasetGenerationError, ArrowInvalid...)
+            raise DataError(f"{source}: not a readable {builder} dataset: {_one_line(e)}") from None
+        _check_columns(source, table.column_names, prompt_key, answer_key)
+        rows = table.to_list()
+    return _rows_to_examples(source, rows, prompt_key, answer_key)
+
+
+def _read_saved(source: str, prompt_key: str, answer_key: str) -> list[Example]:
+    """A directory written by `Dataset.save_to_disk` (a DatasetDict's split is its subdirectory)."""
+    import datasets
+
+    try:
+        table = datasets.load_from_disk(source)
+    except Exception as e:  # FileNotFoundError for a directory that is not a saved dataset, and others
+        raise DataError(f"{source}: not a dataset directory written by save_to_disk: {_one_line(e)}") from None
+    if isinstance(table, datasets.DatasetDict):
+        splits = ", ".join(f"{source.rstrip('/')}/{name}" for name in table)
+        raise DataError(f"{source}: holds several splits; name one: {splits}")
+    _check_columns(source, table.column_names, prompt_key, answer_key)
+    return _rows_to_examples(source, table.to_list(), prompt_key, answer_key)
+
+
+def _check_columns(source: str, columns: list[str], prompt_key: str, answer_key: str) -> None:
+    for key in (prompt_key, answer_key):
+        if key not in columns:
+            raise DataError(f"{source}: no {key!r} column (columns: {', '.join(columns)})")
+
+
+def _rows_to_examples(source: str, rows: list[dict], prompt_key: str, answer_key: str) -> list[Example]:
+    return [_to_example(row, f"{source}: row {i} (0-based)", prompt_key, answer_key) for i, row in enumerate(rows)]
 
 
 def _to_example(record: Any, where: str, prompt_key: str, answer_key: str) -> Example:
@@ -187,10 +237,43 @@ def _to_example(record: Any, where: str, prompt_key: str, answer_key: str) -> Ex
             raise DataError(f"{where}: record has no {key!r} key (keys: {', '.join(map(str, record))})")
         if record[key] is None:
             raise DataError(f"{where}: {key!r} is null")
-    prompt, answer = record[prompt_key], record[answer_key]
-    if not isinstance(prompt, str):
-        raise DataError(f"{where}: {prompt_key!r} must be a string, got {type(prompt).__name__}")
-    return Example(prompt, _answer_str(answer, where, answer_key))
+    prompt, messages = _prompt(record[prompt_key], where, prompt_key)
+    extra = {k: v for k, v in record.items() if k not in (prompt_key, answer_key)}
+    for key, value in extra.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise DataError(f"{where}: {key!r} is not a JSON value ({e}); drop the column or convert it") from None
+    return Example(prompt, _answer_str(record[answer_key], where, answer_key), messages, extra)
+
+
+def _prompt(value: Any, where: str, key: str) -> tuple[str, tuple[tuple[str, str], ...] | None]:
+    """(the user message, the conversation or None) of a prompt that is a string or a list of chat messages."""
+    if isinstance(value, str):
+        return value, None
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: {key!r} must be a string or a non-empty list of chat messages, got {_kind(value)}")
+    turns = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise DataError(f"{where}: {key!r} message {i} must be an object with 'role' and 'content'")
+        role, content = message["role"], message["content"]
+        if role not in ROLES:
+            raise DataError(f"{where}: {key!r} message {i} has role {role!r}; roles are {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise DataError(f"{where}: {key!r} message {i} content must be a string, got {type(content).__name__}")
+        turns.append((role, content))
+    if turns[-1][0] != "user":
+        raise DataError(f"{where}: {key!r} must end with a user message (the model answers it), not {turns[-1][0]!r}")
+    return turns[-1][1], tuple(turns)
+
+
+def _kind(value: Any) -> str:
+    return "an empty list" if value == [] else type(value).__name__
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())
 
 
 def _answer_str(value: Any, where: str, key: str) -> str:

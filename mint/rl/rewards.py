@@ -1,9 +1,10 @@
 """Reward functions: `fn(response: str, answer: str) -> float` in [0, 1], resolved by name and scored safely.
 
-`resolve_reward` turns a recipe's `data.reward` into a function: a built-in name (`exact_match`, `math`) or
-`pkg.module:fn`, imported with importlib. `score` applies it to a batch and never raises because of the function:
-a sample whose reward raises, or returns a non-number, NaN or inf, scores 0.0 and is counted in `errors`; a finite
-value outside [0, 1] is clipped into it and counted in `clipped`.
+`resolve_reward` turns one reward name into a function: a built-in (`exact_match`, `math_verify`, `math`,
+`math_rules`) or `pkg.module:fn`, imported with importlib. `score` applies one function to a batch and never raises
+because of it: a sample whose reward raises, or returns a non-number, NaN or inf, scores 0.0 and is counted in
+`errors`; a finite value outside [0, 1] is clipped into it and counted in `clipped`. Several weighted functions,
+extra record fields, batched and async functions: `mint.rl.reward_set`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import math
 import numbers
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
@@ -102,7 +104,36 @@ def _to_number(text: str) -> Fraction | None:
         return None
 
 
-BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "math": math_reward}
+def math_verify_reward(response: str, answer: str) -> float:
+    """1.0 when the `math-verify` package finds the response's answer equal to the reference, else 0.0.
+
+    The reference is reduced to its `####` or `\\boxed{}` part (as in math_reward) and parsed as LaTeX between "$",
+    so `\\sqrt{8}`, `\\pi/2` or `(x+1)^2` are read as expressions; math-verify extracts the response's answer
+    (boxed first, then "the answer is", then the last expression) and compares symbolically: 2\\sqrt{2} equals
+    \\sqrt{8}, x^2+2x+1 equals (x+1)^2, \\text{(B)} equals B. Where math-verify reads no answer in the response
+    (plain text with a Unicode minus, a word), the hand-written `math_reward` decides instead.
+    """
+    from math_verify import parse, verify  # imported here: it pulls in sympy (about a second)
+
+    # math-verify bounds parse and verify with signal.alarm, which only the main thread may set; elsewhere it runs
+    # unbounded (a Ray actor calls from its main thread).
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    reference = _marked_answer(answer)
+    reference = answer if reference is None else reference
+    gold = parse(f"${reference}$", parsing_timeout=limit) or parse(reference, parsing_timeout=limit)
+    found = parse(response.replace("\u2212", "-"), parsing_timeout=limit)
+    if not gold or not found:
+        return math_reward(response, answer)
+    return float(verify(gold, found, timeout_seconds=limit))
+
+
+BUILTINS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "math_verify": math_verify_reward,
+    # `math` is math_verify: it reads 28 of the 32 answer forms in tests/test_rewards.py (MATH_FORMS), math_rules 22.
+    "math": math_verify_reward,
+    "math_rules": math_reward,
+}
 
 
 def resolve_reward(spec: str) -> RewardFn:
@@ -125,11 +156,12 @@ def resolve_reward(spec: str) -> RewardFn:
     except AttributeError:
         raise RewardError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
     if not callable(fn):
-        raise RewardError(f"reward {spec!r} is a {type(fn).__name__}, not a callable fn(response, answer)")
+        raise RewardError(f"reward {spec!r} is a {type(fn).__name__}, not a callable fn(response, answer, **fields)")
     try:
-        inspect.signature(fn).bind("", "")
+        # Partial: parameters after the first two may be filled by the example's extra fields (mint.rl.reward_set).
+        inspect.signature(fn).bind_partial("", "")
     except TypeError:
-        raise RewardError(f"reward {spec!r} cannot be called as fn(response, answer)") from None
+        raise RewardError(f"reward {spec!r} cannot be called as fn(response, answer, **fields)") from None
     except ValueError:  # some C callables have no signature: nothing to check
         pass
     return fn

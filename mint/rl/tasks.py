@@ -7,17 +7,35 @@ uniformly, so any constant answer scores 0.1 in expectation, which is chance.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from mint.errors import DataError
+
+ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
 class Example:
-    """One prompt (the user message, before the chat template) and its reference answer."""
+    """One prompt (before the chat template), its reference answer, and the other fields of its record.
+
+    `prompt` is the user message. A record whose prompt is a conversation keeps it whole in `messages` as
+    (role, content) pairs ending with a user turn; `prompt` is then that last user message (what logs and records
+    show). `extra` holds the record's other fields (JSON values), handed to reward functions as keyword arguments;
+    it takes part in equality but not in the hash, and is read-only by convention.
+    """
 
     prompt: str
     answer: str
+    messages: tuple[tuple[str, str], ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    def chat(self, system_prompt: str = "") -> list[dict[str, str]]:
+        """The messages to hand the chat template. `system_prompt` goes first unless the record has its own."""
+        turns = list(self.messages) if self.messages is not None else [("user", self.prompt)]
+        if system_prompt and turns[0][0] != "system":
+            turns.insert(0, ("system", system_prompt))
+        return [{"role": role, "content": content} for role, content in turns]
 
 
 class FirstLastTask:

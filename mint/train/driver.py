@@ -253,8 +253,17 @@ def _metrics(config, step, results, groups_kept, rewards_B_G, sums, rev, state, 
         step_s=step_s,
         peak_memory_mb=sums.get("peak_memory_mb", 0.0),
         revision=rev.id,
+        **_reward_parts(results),
         **{k: v for k, v in sums.items() if k.startswith(("masked_", "trust_", "out_of_route", "mismatch"))},
     )
+
+
+def _reward_parts(results: list) -> dict[str, float]:
+    """reward/<name>: each reward function's mean over the step, when the reward is a weighted sum of several."""
+    parts = [r.rewards_by_fn for r in results if r.rewards_by_fn]
+    if not parts or len(parts[0]) < 2:
+        return {}
+    return {f"reward/{name}": sum(sum(p[name]) for p in parts) / sum(len(p[name]) for p in parts) for name in parts[0]}
 
 
 def save_checkpoint(cluster: Cluster, out: Path, state: RunState, config: Config) -> Path:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
-import numbers
 import os
 import re
 import time
@@ -28,7 +26,7 @@ from typing import Any
 from mint.config import Config
 from mint.errors import ConfigError, DataError, RewardError
 from mint.rl.data import Dataset, FileDataset, load_dataset
-from mint.rl.rewards import RewardFn, resolve_reward
+from mint.rl.reward_set import RewardSet
 from mint.rl.tasks import Example
 
 # Synthetic tasks are endless: the first batches of the run's own stream stand for the rest.
@@ -72,10 +70,10 @@ def preflight(config: Config) -> Preflight:
     """
     start = time.perf_counter()
     local = _local_model(config.model.path)
-    reward_fn = _reward(config.data.reward)
+    rewards = _reward(config)
     dataset = _dataset(config)
     examples = _examples(dataset, config)
-    _call_reward(reward_fn, config.data.reward, examples[0])
+    _call_reward(rewards, examples[0])
     # From here on torch and transformers are imported (the tokenizer, and the rollout actor's prompt rendering).
     from mint.train.rollout_actor import prompt_tokens, stop_token_ids
 
@@ -192,9 +190,9 @@ def _tokenizer(path: str):
         raise ConfigError(f"model.path: cannot load the tokenizer of {path}: {_one_line(e)}") from None
 
 
-def _reward(spec: str) -> RewardFn:
+def _reward(config: Config) -> RewardSet:
     try:
-        return resolve_reward(spec)
+        return RewardSet(config.data.reward, config.data.reward_timeout)
     except RewardError as e:
         raise ConfigError(f"data.reward: {e}") from None
 
@@ -214,19 +212,13 @@ def _examples(dataset: Dataset, config: Config) -> list[Example]:
     return dataset.take(SYNTHETIC_BATCHES * config.rollout.prompts_per_step, config.grpo.seed)
 
 
-def _call_reward(fn: RewardFn, spec: str, example: Example) -> None:
-    """Call the reward once, on a response equal to the first example's answer: it must return a finite number."""
+def _call_reward(rewards: RewardSet, example: Example) -> None:
+    """Score the first example's own answer as the response once: every function must return a finite number."""
     try:
-        value = fn(example.answer, example.answer)
-    except Exception as e:  # the user's function may fail in any way
-        raise ConfigError(
-            f"data.reward: {spec} raised on the first example (response = its answer {example.answer!r}): "
-            f"{_one_line(e)}"
-        ) from None
-    if not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ConfigError(
-            f"data.reward: {spec} returned {value!r} on the first example; a reward returns a finite number in [0, 1]"
-        )
+        with _quiet("mint.rl"):  # the failure is this function's one line; the scorer's own warning would be a second
+            rewards.check(example)
+    except RewardError as e:
+        raise ConfigError(f"data.reward: {e}") from None
 
 
 @contextlib.contextmanager

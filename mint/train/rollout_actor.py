@@ -31,13 +31,13 @@ class GroupResult:
     reward_errors: int
     revision: str | None
     reward_error: str = ""  # the group's first reward failure, one line
+    rewards_by_fn: dict[str, list[float]] | None = None  # each reward function's G rewards (before weighting)
 
 
 def prompt_tokens(tokenizer, example: Example, system_prompt: str = "") -> list[int]:
-    """The chat-templated prompt, ending with the assistant header, as token ids."""
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": example.prompt})
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    """The chat-templated prompt (a record's own messages, or its prompt as the user turn), ending with the assistant
+    header, as token ids."""
+    text = tokenizer.apply_chat_template(example.chat(system_prompt), add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -57,7 +57,7 @@ class RolloutActor:
 
         from mint.models.lora import add_lora
         from mint.models.specs import load_model, usable_vocab
-        from mint.rl.rewards import resolve_reward
+        from mint.rl.reward_set import RewardSet
         from mint.rollout.engine import RolloutEngine
 
         torch.set_num_threads(config.ray.torch_threads)
@@ -79,7 +79,7 @@ class RolloutActor:
             max_tokens=r.max_tokens,
             stop_token_ids=stop_token_ids(self.tokenizer, r.stop_tokens),
         )
-        self.reward_fn = resolve_reward(config.data.reward)
+        self.rewards = RewardSet(config.data.reward, config.data.reward_timeout)
         self.revision: str | None = None
         # Prompt tokens that leave room for max_tokens in the model's positions (preflight checked the data set).
         self.max_prompt = self.model.config.max_position_embeddings - r.max_tokens
@@ -122,7 +122,6 @@ class RolloutActor:
     def rollout(self, examples: list[Example], seed: int, revision: str | None = None) -> list[GroupResult]:
         """Sample and score one shard. With `revision`, refuse (StaleRevision) unless that is the adapter loaded: a
         call to an actor Ray restarted since the last load would otherwise sample with the initial adapter."""
-        from mint.rl.rewards import score
 
         if revision is not None and revision != self.revision:
             held = self.revision[:12] if self.revision else "none"
@@ -138,15 +137,26 @@ class RolloutActor:
                     )
                 prompts[i] = tokens[-self.max_prompt :]  # the end holds the question and the assistant header
         groups = self.engine.generate(prompts, self.config.rollout.group_size, self.params, seed)
+        G = self.config.rollout.group_size
+        responses = [
+            [self.tokenizer.decode(c.tokens_R.tolist(), skip_special_tokens=True) for c in group.completions]
+            for group in groups
+        ]
+        # One scoring call for the whole shard, so async rewards (a sandbox, a judge) run concurrently.
+        scored = self.rewards.score([r for rs in responses for r in rs], [ex for ex in examples for _ in range(G)])
         results = []
-        for ex, group in zip(examples, groups, strict=True):
-            responses = [
-                self.tokenizer.decode(c.tokens_R.tolist(), skip_special_tokens=True) for c in group.completions
-            ]
-            scored = score(self.reward_fn, responses, [ex.answer] * len(responses))
+        for i, (ex, group) in enumerate(zip(examples, groups, strict=True)):
+            part = scored.part(i * G, (i + 1) * G)
             results.append(
                 GroupResult(
-                    ex, group, responses, list(scored.rewards), scored.errors, self.revision, scored.first_error
+                    ex,
+                    group,
+                    responses[i],
+                    list(part.total),
+                    part.failed_samples,
+                    self.revision,
+                    part.first_error,
+                    {name: list(values) for name, values in part.rewards.items()},
                 )
             )
         return results
