@@ -190,7 +190,7 @@ def test_reward_errors_are_loud_and_too_many_stop_the_run(tmp_path):
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     code, _, err = _finish(_start(_cmd(tmp_path, "loud", "data.reward=strict_reward:strict"), **env))
     assert code == 1
-    assert "the reward function raised on" in err and "first: ValueError: wrong" in err
+    assert "the reward function raised on" in err and "first: strict_reward:strict: ValueError: wrong" in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("mint: error: reward 'strict_reward:strict' raised on") and "max_reward_error_frac" in last
 
