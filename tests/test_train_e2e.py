@@ -176,3 +176,50 @@ def test_exact_run_equals_the_naive_run_step_by_step(tmp_path):
         assert a["logp_diff_max"] < 1e-4 and a["trust_kept_frac"] == 1.0
     assert exact[-1]["grad_norm"] > 0 and exact[-1]["kl"] > 0
     assert exact_summary["base_digest"] == naive_summary["base_digest"]
+
+
+def test_held_out_eval_samples_and_lr_schedule(tmp_path):
+    """Issue 14: held-out eval (chat-message prompts from a JSONL file, an extra column, math_verify) rises while
+    training; samples.jsonl holds prompts with completions, rewards and advantages; the cosine schedule with warmup
+    drives the learning rate every step logs."""
+    from mint.rl.tasks import get_task
+
+    task, rng = get_task("first_last"), __import__("random").Random(12345)
+    rows = []
+    for _ in range(32):
+        ex = task.sample(rng)
+        rows.append({"prompt": [{"role": "user", "content": ex.prompt}], "answer": ex.answer, "source": "held-out"})
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    steps = 30
+    config = load_config(
+        ROOT / "recipes/smoke.toml",
+        [
+            f"grpo.steps={steps}",
+            "learner.num_ranks=1",
+            "data.reward=math_verify",
+            f"eval.source={held_out}",
+            "eval.every=15",
+            "eval.samples=4",
+            "eval.temperature=1.0",
+            "logging.samples_every=10",
+            "learner.lr_schedule=cosine",
+            "learner.warmup_steps=5",
+            f"logging.root={tmp_path}",
+            "logging.name=eval",
+            "logging.progress=false",
+        ],
+    )
+    summary = train(config)
+    assert summary["eval_pass@1_last"] > summary["eval_pass@1_first"] + 0.1, summary
+    assert "eval_pass@4_last" in summary and 0.0 <= summary["eval_reward_mean_first"] <= 1.0
+    lines = [json.loads(line) for line in (tmp_path / "eval/metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if "eval_pass@1" in m] == [15, 30]
+    from mint.train.learner import lr_factor
+
+    lrs = [m["lr"] for m in lines]
+    want = [config.learner.lr * lr_factor(config)(s) for s in range(steps)]
+    assert lrs == pytest.approx(want, rel=1e-6) and lrs[0] < lrs[4] and lrs[-1] < lrs[10]
+    samples = [json.loads(line) for line in (tmp_path / "eval/samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {10, 20, 30} and len(samples) == 3 * 2 * config.logging.samples_per_step
+    assert all({"prompt", "completion", "reward", "advantage"} <= set(s) for s in samples)

@@ -141,6 +141,13 @@ class LearnerConfig:
         max=3,
     )
     lr: float = knob(5e-3, "AdamW learning rate for the LoRA parameters.", gt=0.0, max=1.0)
+    lr_schedule: str = knob(
+        "constant",
+        "After warmup: constant, or cosine down to lr x min_lr_ratio at grpo.steps.",
+        choices=("constant", "cosine"),
+    )
+    warmup_steps: int = knob(0, "Steps of linear warmup from 0 to learner.lr.", min=0)
+    min_lr_ratio: float = knob(0.1, "cosine: the final learning rate as a fraction of learner.lr.", min=0.0, max=1.0)
     weight_decay: float = knob(0.0, "AdamW weight decay.", min=0.0)
     grad_clip: float = knob(1.0, "Global gradient-norm clip; 0 disables.", min=0.0)
     epochs: int = knob(
@@ -204,6 +211,26 @@ class LoggingConfig:
     wandb: bool = knob(False, "Log to Weights & Biases (offline unless WANDB_API_KEY or WANDB_MODE says otherwise).")
     wandb_project: str = knob("mint", "wandb project name.")
     progress: bool = knob(True, "Show a progress bar on stderr.")
+    samples_every: int = knob(
+        10,
+        "Every N steps log a few prompts with completions, rewards and advantages (samples.jsonl, console, wandb).",
+        min=0,
+    )
+    samples_per_step: int = knob(2, "Groups shown each time samples are logged (their first two responses).", min=1)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    source: str = knob(
+        "", "Held-out prompts (a local .jsonl/.parquet/.json/.csv file or saved dataset directory); empty: no eval."
+    )
+    every: int = knob(
+        25, "Evaluate every N steps, and before the first and after the last step (0: only those).", min=0
+    )
+    samples: int = knob(1, "Responses per eval prompt; pass@k is reported for k = samples when above 1.", min=1)
+    temperature: float = knob(0.0, "Eval sampling temperature (0: greedy).", min=0.0, max=10.0)
+    max_prompts: int = knob(0, "Evaluate on the first N prompts only (0: all).", min=0)
+    pass_threshold: float = knob(1.0, "A response passes when its reward is at least this.", min=0.0)
 
 
 @dataclass(frozen=True)
@@ -266,6 +293,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     mint: MintConfig = field(default_factory=MintConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -278,7 +306,10 @@ class Config:
         """sha256 of the keys that can change what a run computes: every key except RESULT_NEUTRAL ones (how long
         it runs, where and how it logs and checkpoints). `--resume` refuses a recipe whose result digest differs."""
         tree = self.to_dict()
-        for key in RESULT_NEUTRAL:
+        neutral = list(RESULT_NEUTRAL)
+        if self.learner.lr_schedule != "constant":  # a cosine's length is grpo.steps: it changes every step's lr
+            neutral.remove("grpo.steps")
+        for key in neutral:
             section, _, name = key.partition(".")
             if name == "*":
                 tree.pop(section, None)
@@ -292,6 +323,7 @@ RESULT_NEUTRAL = (
     "grpo.steps",
     "logging.*",
     "checkpoint.*",
+    "eval.*",
     "mint.save_every",
     "mint.keep_last",
     "ray.address",

@@ -31,6 +31,7 @@ from mint.rl.data import load_dataset
 from mint.train import checkpoint
 from mint.train.checkpoint import RunState
 from mint.train.cluster import Cluster, LearnerDied, gather, load_revision, rollout, start_cluster, start_ray
+from mint.train.evaluation import eval_examples, evaluate, sample_rows
 from mint.train.metrics import RunLogger
 from mint.train.preflight import Preflight, preflight
 from mint.train.step import Revision, learn, learner_revision, make_batches, publish, save_revision
@@ -73,6 +74,8 @@ class Run:
     started_ray: bool
     interrupt: Interrupt
     t_start: float
+    eval_first: dict | None = None  # held-out metrics before the first step
+    eval_last: dict | None = None
 
 
 def train(config: Config, resume: bool = False, checked: Preflight | None = None) -> dict:
@@ -161,6 +164,8 @@ def _session(run: Run, restarts: int) -> dict:
         reward_errors=state.reward_errors,
         restarts=state.restarts,
         interrupted=run.interrupt.requested and state.step < config.grpo.steps,
+        **({f"{k}_first": v for k, v in run.eval_first.items()} if run.eval_first else {}),
+        **({f"{k}_last": v for k, v in run.eval_last.items()} if run.eval_last else {}),
     )
     _write_json(out / "summary.json", summary)
     return summary
@@ -172,6 +177,10 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
     dataset = load_dataset(config.data.source, config.data.prompt_key, config.data.answer_key)
     stream = dataset.batches(config.rollout.prompts_per_step, config.grpo.seed, start=state.step)
     data_ref = ray.put(rev.data)
+    held_out = eval_examples(config)
+    if held_out and state.step == 0:
+        run.eval_first = evaluate(cluster, held_out, config, 0, rev.id)
+        logger.note(f"mint: eval before training: {_fmt(run.eval_first)}")
     while state.step < config.grpo.steps and not run.interrupt.requested:
         step = state.step + 1
         t0 = time.time()
@@ -192,7 +201,15 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
                 data_ref = ray.put(rev.data)
         state.step, state.revision = step, rev.id
         state.rewards.append(step_metrics["reward_mean"])
-        logger.log(_metrics(config, step, results, len(batches), rewards_B_G, sums, rev, state, cluster, t0, t_rollout))
+        metrics = _metrics(config, step, results, len(batches), rewards_B_G, sums, rev, state, cluster, t0, t_rollout)
+        every = config.eval.every
+        if held_out and ((every and step % every == 0) or step == config.grpo.steps):
+            run.eval_last = evaluate(cluster, held_out, config, step, rev.id)
+            metrics.update(run.eval_last)
+            logger.note(f"mint: step {step}: eval {_fmt(run.eval_last)}")
+        if config.logging.samples_every and step % config.logging.samples_every == 0:
+            logger.samples(sample_rows(config, step, results, rewards_B_G))
+        logger.log(metrics)
         if state.bad_steps >= config.checkpoint.max_bad_steps:
             latest = checkpoint.latest(out)
             raise MintError(
@@ -205,6 +222,10 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
         if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.grpo.steps:
             save_checkpoint(cluster, out, state, config)
     return rev
+
+
+def _fmt(metrics: dict) -> str:
+    return ", ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in metrics.items())
 
 
 def _check_rewards(config: Config, step: int, results: list, state: RunState, logger: RunLogger) -> None:
@@ -240,6 +261,7 @@ def _metrics(config, step, results, groups_kept, rewards_B_G, sums, rev, state, 
         kl=sums.get("kl", 0.0) / tokens,
         clip_frac=sums.get("clipped", 0.0) / tokens,
         grad_norm=sums.get("grad_norm", 0.0),
+        lr=sums.get("lr", 0.0),
         skipped=int(sums["skipped"]),
         skipped_steps=state.skipped_steps,
         restarts=state.restarts,

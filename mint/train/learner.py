@@ -39,6 +39,23 @@ def _deepspeed_config(config: Config) -> dict:
     }
 
 
+def lr_factor(config: Config):
+    """The learning-rate multiplier before optimizer step s + 1 (s = 0, 1, ...): linear warmup over
+    learner.warmup_steps, then constant or a cosine down to min_lr_ratio at grpo.steps."""
+    warmup, steps, floor = config.learner.warmup_steps, config.grpo.steps, config.learner.min_lr_ratio
+    cosine = config.learner.lr_schedule == "cosine"
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        if not cosine:
+            return 1.0
+        progress = min(1.0, (s - warmup) / max(1, steps - warmup - 1))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
 def _max_abs_diff(logp: list[torch.Tensor], rollout_logp: list[torch.Tensor]) -> float:
     return max(float((a.detach().cpu() - b).abs().max()) for a, b in zip(logp, rollout_logp, strict=True))
 
@@ -110,7 +127,10 @@ class LearnerActor:
             load_lora_state(model, from_bytes(init_lora))
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=config.learner.lr, weight_decay=config.learner.weight_decay)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=_deepspeed_config(config))
+        schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(config))  # bound to DeepSpeed's
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=schedule, config=_deepspeed_config(config)
+        )
         self._deepspeed = deepspeed
         from mint.models.specs import tokenizer_size, usable_vocab
 
@@ -134,6 +154,7 @@ class LearnerActor:
         old_logprobs: dict[int, list[torch.Tensor]] = {}
         n_micro = len(plan.micro_steps)
         inner_step = INNER_STEPS[self.config.learner.engine]
+        sums["lr"] = float(self.engine.get_lr()[0])  # the rate this step's update uses
         for epoch in range(self.config.learner.epochs):
             for i, micro in enumerate(plan.micro_steps):
                 stats, logp = inner_step(self.ctx, micro, plan, old_logprobs.get(i), last=i == n_micro - 1)
@@ -220,7 +241,7 @@ class LearnerActor:
             tag="state",
             load_module_strict=False,
             load_optimizer_states=True,
-            load_lr_scheduler_states=False,
+            load_lr_scheduler_states=True,
         )
         if path is None:
             raise MintError(f"checkpoint {directory}: DeepSpeed found no state to load")

@@ -52,9 +52,33 @@ class RunLogger:
             self._bar.update(1)
             self._bar.set_postfix({k: f"{metrics[k]:.3g}" for k in BAR_KEYS if isinstance(metrics.get(k), float)})
 
+    def samples(self, rows: list[dict]) -> None:
+        """A few prompts with completions, rewards and advantages: samples.jsonl, a small console table, wandb."""
+        if not rows:
+            return
+        with open(self.path.with_name("samples.jsonl"), "a") as f:
+            for row in rows:
+                f.write(json.dumps(row, sort_keys=True) + "\n")
+        for row in rows:
+            prompt, completion = _short(row["prompt"]), _short(row["completion"])
+            self.note(
+                f"  step {row['step']:>5}  r={row['reward']:.2f} A={row['advantage']:+.2f}  {prompt} -> {completion}"
+            )
+        if self._wandb is not None:
+            import wandb
+
+            columns = list(rows[0])
+            table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
+            self._wandb.log({"samples": table}, step=rows[0]["step"])
+
     def close(self) -> None:
         self._file.close()
         if self._bar is not None:
             self._bar.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _short(text: str, width: int = 48) -> str:
+    one = " ".join(str(text).split())
+    return one if len(one) <= width else one[: width - 1] + "…"

@@ -73,6 +73,7 @@ def preflight(config: Config) -> Preflight:
     rewards = _reward(config)
     dataset = _dataset(config)
     examples = _examples(dataset, config)
+    _eval_source(config)
     _call_reward(rewards, examples[0])
     # From here on torch and transformers are imported (the tokenizer, and the rollout actor's prompt rendering).
     from mint.train.rollout_actor import prompt_tokens, stop_token_ids
@@ -203,6 +204,15 @@ def _dataset(config: Config) -> Dataset:
         return load_dataset(d.source, d.prompt_key, d.answer_key)
     except DataError as e:
         raise ConfigError(f"data.source: {e}") from None
+
+
+def _eval_source(config: Config) -> None:
+    """eval.source opens and has the fields (held-out prompts are checked like the training ones)."""
+    if config.eval.source:
+        try:
+            load_dataset(config.eval.source, config.data.prompt_key, config.data.answer_key)
+        except DataError as e:
+            raise ConfigError(f"eval.source: {e}") from None
 
 
 def _examples(dataset: Dataset, config: Config) -> list[Example]:

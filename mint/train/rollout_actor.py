@@ -119,6 +119,38 @@ class RolloutActor:
         self.revision = revision
         return revision
 
+    def evaluate(
+        self, examples: list[Example], n: int, temperature: float, seed: int, revision: str
+    ) -> list[list[float]]:
+        """n responses per held-out prompt at the eval temperature with the current revision: their rewards."""
+        if revision != self.revision:
+            raise StaleRevision(
+                f"rollout actor holds revision {(self.revision or 'none')[:12]}, asked for {revision[:12]}"
+            )
+        params = SamplingParams(
+            temperature=temperature,
+            max_tokens=self.config.rollout.max_tokens,
+            stop_token_ids=self.params.stop_token_ids,
+        )
+        prompts = [self._prompt(ex) for ex in examples]
+        groups = self.engine.generate(prompts, n, params, seed)
+        responses = [
+            self.tokenizer.decode(c.tokens_R.tolist(), skip_special_tokens=True) for g in groups for c in g.completions
+        ]
+        total = self.rewards.score(responses, [ex for ex in examples for _ in range(n)]).total
+        return [list(total[i * n : (i + 1) * n]) for i in range(len(examples))]
+
+    def _prompt(self, ex: Example) -> list[int]:
+        tokens = prompt_tokens(self.tokenizer, ex, self.config.data.system_prompt)
+        if len(tokens) > self.max_prompt:
+            if not self.config.data.truncate_prompts:
+                raise ConfigError(
+                    f"data.source: a prompt of {len(tokens)} tokens exceeds the {self.max_prompt} that fit; "
+                    "set data.truncate_prompts=true to keep its last tokens"
+                )
+            tokens = tokens[-self.max_prompt :]  # the end holds the question and the assistant header
+        return tokens
+
     def rollout(self, examples: list[Example], seed: int, revision: str | None = None) -> list[GroupResult]:
         """Sample and score one shard. With `revision`, refuse (StaleRevision) unless that is the adapter loaded: a
         call to an actor Ray restarted since the last load would otherwise sample with the initial adapter."""
@@ -127,15 +159,7 @@ class RolloutActor:
             held = self.revision[:12] if self.revision else "none"
             raise StaleRevision(f"rollout actor holds revision {held}, asked for {revision[:12]}")
 
-        prompts = [prompt_tokens(self.tokenizer, ex, self.config.data.system_prompt) for ex in examples]
-        for i, tokens in enumerate(prompts):
-            if len(tokens) > self.max_prompt:
-                if not self.config.data.truncate_prompts:
-                    raise ConfigError(
-                        f"data.source: a prompt of {len(tokens)} tokens exceeds the {self.max_prompt} that fit; "
-                        "set data.truncate_prompts=true to keep its last tokens"
-                    )
-                prompts[i] = tokens[-self.max_prompt :]  # the end holds the question and the assistant header
+        prompts = [self._prompt(ex) for ex in examples]
         groups = self.engine.generate(prompts, self.config.rollout.group_size, self.params, seed)
         G = self.config.rollout.group_size
         responses = [

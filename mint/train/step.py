@@ -142,6 +142,7 @@ def learn(cluster: Cluster, batches: list[GroupBatch], step: int) -> dict:
     sums = {k: sum(r[k] for r in per_rank) for k in ("loss", "kl", "clipped", "tokens")}
     sums.update({k: max(r[k] for r in per_rank) for k in ("peak_memory_mb", "logp_diff_max")})
     sums["grad_norm"] = per_rank[0]["grad_norm"]  # already global: DeepSpeed reduces it across ranks
+    sums["lr"] = per_rank[0]["lr"]
     sums["skipped"] = any(r["skipped"] for r in per_rank)
     sums["bad"] = any(r["bad"] for r in per_rank)
     trust = TrustCounts()

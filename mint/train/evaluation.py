@@ -1,0 +1,80 @@
+"""Held-out evaluation and sample logs: what a researcher reads besides the training reward.
+
+Eval samples `eval.samples` responses per held-out prompt at `eval.temperature` with the current revision, on the
+rollout actors, and reports the mean reward, pass@1 and, for n > 1, pass@n with the unbiased estimator
+1 - C(n - c, k) / C(n, k) (c responses of n pass, a pass being reward >= eval.pass_threshold). It draws from its own
+seeds, so it never changes what training samples: an eval key may be changed on --resume.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ray
+
+from mint.config import Config
+from mint.rl.data import load_dataset
+from mint.rl.grpo import group_advantages_batch
+from mint.train.cluster import Cluster
+
+EVAL_SEED = 7_000_003  # far from grpo.seed + step, the training draws
+
+
+def eval_examples(config: Config) -> list:
+    if not config.eval.source:
+        return []
+    dataset = load_dataset(config.eval.source, config.data.prompt_key, config.data.answer_key)
+    if not hasattr(dataset, "examples"):  # a synthetic task: a held-out draw from another seed
+        return dataset.take(config.eval.max_prompts or 64, EVAL_SEED)
+    examples = list(dataset.examples)
+    return examples[: config.eval.max_prompts] if config.eval.max_prompts else examples
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k draws (without replacement) from n responses, c of them passing, passes."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate(cluster: Cluster, examples: list, config: Config, step: int, rev_id: str) -> dict[str, float]:
+    """eval_reward_mean, eval_pass@1 (and eval_pass@n) over the held-out prompts at revision `rev_id`."""
+    if not examples:
+        return {}
+    e = config.eval
+    n_actors = len(cluster.rollouts)
+    shards = [examples[i::n_actors] for i in range(n_actors)]
+    futures = [
+        actor.evaluate.remote(shard, e.samples, e.temperature, EVAL_SEED + step * 1000 + i, rev_id)
+        for i, (actor, shard) in enumerate(zip(cluster.rollouts, shards, strict=True))
+        if shard
+    ]
+    rewards = [r for shard in ray.get(futures) for r in shard]
+    n = e.samples
+    passes = [sum(value >= e.pass_threshold for value in r) for r in rewards]
+    out = {
+        "eval_reward_mean": sum(map(sum, rewards)) / (n * len(rewards)),
+        "eval_pass@1": sum(pass_at_k(n, c, 1) for c in passes) / len(passes),
+    }
+    if n > 1:
+        out[f"eval_pass@{n}"] = sum(pass_at_k(n, c, n) for c in passes) / len(passes)
+    return out
+
+
+def sample_rows(config: Config, step: int, results: list, rewards_B_G) -> list[dict]:
+    """A few groups' first two responses with their rewards and advantages, for samples.jsonl and the console."""
+    adv_B_G = group_advantages_batch(rewards_B_G, scale_std=config.grpo.scale_std)
+    rows = []
+    for b, res in enumerate(results[: config.logging.samples_per_step]):
+        for i in range(min(2, len(res.responses))):
+            rows.append(
+                {
+                    "step": step,
+                    "prompt": res.example.prompt,
+                    "answer": res.example.answer,
+                    "completion": res.responses[i],
+                    "reward": float(rewards_B_G[b, i]),
+                    "advantage": float(adv_B_G[b, i]),
+                }
+            )
+    return rows
