@@ -43,7 +43,8 @@ class Cluster:
     pg: object
     started_ray: bool
     where: dict[str, str] = field(default_factory=dict)  # "learner rank 1" -> "pid 123 on 10.0.0.2"
-    rollout_restarts: int = 0
+    rollout_restarts: int = 0  # rollout actors Ray restarted, seen as a new process id behind the same handle
+    rollout_pids: list[int] = field(default_factory=list)
 
     def close(self, shutdown: bool = True) -> None:
         """Kill the actors and free the placement group; with `shutdown`, stop a Ray this run started."""
@@ -101,6 +102,7 @@ def start_cluster(config: Config, model_path: str, started_ray: bool, init_lora:
         names = [f"learner rank {i}" for i in range(n)] + [f"rollout actor {j}" for j in range(len(rollouts))]
         places = ray.get([a.where.remote() for a in learners + rollouts])
         cluster.where = dict(zip(names, places, strict=True))
+        cluster.rollout_pids = ray.get([a.pid.remote() for a in rollouts])
     except BaseException:
         cluster.close(shutdown=False)
         raise
@@ -136,11 +138,19 @@ def load_revision(cluster: Cluster, rev_id: str, data_ref) -> None:
             ray.get(future)
         except ACTOR_GONE:
             _reload(cluster, i, rev_id, data_ref)
+    _count_restarts(cluster)
+
+
+def _count_restarts(cluster: Cluster) -> None:
+    """Ray may restart a dead actor and retry a call on it without the driver seeing an error (a load caught by the
+    restart): count restarts by the actors' process ids instead."""
+    pids = ray.get([actor.pid.remote() for actor in cluster.rollouts])
+    cluster.rollout_restarts += sum(a != b for a, b in zip(pids, cluster.rollout_pids, strict=True))
+    cluster.rollout_pids = pids
 
 
 def _reload(cluster: Cluster, i: int, rev_id: str, data_ref) -> None:
     """Load the current revision into rollout actor i after Ray restarted it; one line when it is out of restarts."""
-    cluster.rollout_restarts += 1
     deadline = time.monotonic() + RESTART_WAIT_S
     while True:
         try:  # retried by Ray once the actor is back; raises when it is out of restarts
@@ -177,4 +187,5 @@ def rollout(cluster: Cluster, examples: list, seed: int, rev_id: str, data_ref) 
             raise MintError(f"rollout actor {dead[0]} died again after a restart; stopping")
         for i in dead:
             _reload(cluster, i, rev_id, data_ref)
+    _count_restarts(cluster)
     return [group for shard in results for group in shard]

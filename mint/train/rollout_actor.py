@@ -84,6 +84,11 @@ class RolloutActor:
         # Prompt tokens that leave room for max_tokens in the model's positions (preflight checked the data set).
         self.max_prompt = self.model.config.max_position_embeddings - r.max_tokens
 
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
     def where(self) -> str:
         """ "(pid N on NODE_IP)": how the driver names this actor when it dies."""
         import os
