@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 import triton
-from triton.runtime.jit import JITFunction
 
+from longstraw.kernels._dispatch import check_launchable, use_triton
 from longstraw.kernels._expert_lora_reference import check_inputs, expert_lora_reference
 from longstraw.kernels._expert_lora_triton import _expert_lora_chain_kernel, _expert_lora_wgrad_kernel
 
@@ -34,14 +34,6 @@ __all__ = ["expert_lora", "expert_lora_reference"]
 # --------------------------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def _check_launchable(kernel, device: torch.device) -> None:
-    if device.type == "cpu" and isinstance(kernel, JITFunction):
-        raise RuntimeError(
-            "the Triton path on CPU tensors runs only under the Triton interpreter: set TRITON_INTERPRET=1 before "
-            "triton is first imported, or use force='reference'"
-        )
 
 
 def _block_r(r: int) -> int:
@@ -98,7 +90,7 @@ def _chain(x_N_K, w1_E_R_K, w2_E_M_R, tiles, scaling, *, y_N_M, mid_N_R):
     """y = scaling * (x W1_e^T) W2_e^T per segment into y_N_M (when given); x W1_e^T into mid_N_R (when given)."""
     K = x_N_K.shape[1]
     R, M = w1_E_R_K.shape[1], w2_E_M_R.shape[1]
-    _check_launchable(_expert_lora_chain_kernel, x_N_K.device)
+    check_launchable(_expert_lora_chain_kernel, x_N_K.device)
     cfg = _chain_blocks(R, x_N_K.device)
     tile_e, lo, hi = tiles
     compute_y = y_N_M is not None
@@ -117,7 +109,7 @@ def _chain(x_N_K, w1_E_R_K, w2_E_M_R, tiles, scaling, *, y_N_M, mid_N_R):
 def _wgrad(p_N_M, q_N_R, out_E_M_R, offsets_E1, scaling):
     """out[e] = scaling * P_e^T Q_e over each segment's rows (zeros for an empty segment)."""
     E, M, R = out_E_M_R.shape
-    _check_launchable(_expert_lora_wgrad_kernel, p_N_M.device)
+    check_launchable(_expert_lora_wgrad_kernel, p_N_M.device)
     cfg = _wgrad_blocks(R, p_N_M.device)
     _expert_lora_wgrad_kernel[(triton.cdiv(M, cfg["BLOCK_M"]), E)](
         p_N_M, q_N_R, out_E_M_R, offsets_E1,
@@ -185,14 +177,6 @@ class ExpertLoraFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _use_triton(t: torch.Tensor, force: str | None) -> bool:
-    if force is None:
-        return t.is_cuda
-    if force not in ("triton", "reference"):
-        raise ValueError(f"force must be None, 'triton' or 'reference', got {force!r}")
-    return force == "triton"
-
-
 def expert_lora(
     x_N_H: torch.Tensor,
     A_E_R_H: torch.Tensor,
@@ -220,7 +204,7 @@ def expert_lora(
     imported). The offsets' values are checked wherever that costs no device sync: always on the reference path
     and for CPU offsets; CUDA offsets on the Triton path are trusted (a check would sync every layer).
     """
-    if not _use_triton(x_N_H, force):
+    if not use_triton(x_N_H, force):
         return expert_lora_reference(x_N_H, A_E_R_H, B_E_O_R, offsets_E1, scaling)  # checks everything itself
     check_inputs(x_N_H, A_E_R_H, B_E_O_R, offsets_E1, values=not offsets_E1.is_cuda)
     if torch.float64 in (x_N_H.dtype, A_E_R_H.dtype, B_E_O_R.dtype):

@@ -38,8 +38,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
+from longstraw.kernels._dispatch import check_launchable
 from longstraw.kernels._fused_logprob_reference import check_targets, fused_logprob_reference
 
 __all__ = ["fused_logprob", "fused_logprob_reference"]
@@ -164,14 +164,6 @@ def _fused_logprob_bwd_dlogits_kernel(
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _check_launchable(kernel, device: torch.device) -> None:
-    if device.type == "cpu" and isinstance(kernel, JITFunction):
-        raise RuntimeError(
-            "the Triton path on CPU tensors runs only under the Triton interpreter: set TRITON_INTERPRET=1 before "
-            "triton is first imported, or use force='reference'"
-        )
-
-
 def _precision(dtype: torch.dtype) -> str:
     # fp32 inputs would default to tf32 on the GPU; ieee keeps fp32 runs comparable to the reference.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -203,7 +195,7 @@ def _forward(x_T_H: torch.Tensor, w_V_H: torch.Tensor, tgt_T: torch.Tensor, temp
     v_per_split = triton.cdiv(triton.cdiv(V, cfg["BLOCK_V"]), splits) * cfg["BLOCK_V"]
     splits = triton.cdiv(V, v_per_split)
     m_S_T, s_S_T, u_S_T, zt_S_T = torch.empty((4, splits, T), device=x_T_H.device, dtype=torch.float32).unbind(0)
-    _check_launchable(_fused_logprob_fwd_kernel, x_T_H.device)
+    check_launchable(_fused_logprob_fwd_kernel, x_T_H.device)
     _fused_logprob_fwd_kernel[(triton.cdiv(T, cfg["BLOCK_T"]), splits)](
         x_T_H, w_V_H, tgt_T, m_S_T, s_S_T, u_S_T, zt_S_T,
         *x_T_H.stride(), *w_V_H.stride(),
@@ -235,7 +227,7 @@ def _backward(x_T_H, w_V_H, tgt_T, lse_T, ent_T, g_lp_T, g_ent_T, temperature, i
     dx_T_H = torch.empty(x_T_H.shape, device=x_T_H.device, dtype=x_T_H.dtype) if need_dx else None
     # fp32 accumulation across chunks; a bf16 running sum would round at every chunk.
     dw_V_H = torch.zeros(w_V_H.shape, device=w_V_H.device, dtype=torch.float32) if need_dw else None
-    _check_launchable(_fused_logprob_bwd_dlogits_kernel, x_T_H.device)
+    check_launchable(_fused_logprob_bwd_dlogits_kernel, x_T_H.device)
     dummy = lse_T
     for c0 in range(0, T, rows):
         n = min(rows, T - c0)

@@ -33,8 +33,8 @@ import math
 
 import torch
 import triton
-from triton.runtime.jit import JITFunction
 
+from longstraw.kernels._dispatch import check_launchable, use_triton
 from longstraw.kernels._prefix_attention_reference import prefix_attention_reference
 from longstraw.kernels._prefix_attention_triton import (
     LOG2E,
@@ -50,14 +50,6 @@ __all__ = ["prefix_attention", "prefix_attention_reference"]
 # --------------------------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def _check_launchable(kernel, device: torch.device) -> None:
-    if device.type == "cpu" and isinstance(kernel, JITFunction):
-        raise RuntimeError(
-            "the Triton path on CPU tensors runs only under the Triton interpreter: set TRITON_INTERPRET=1 before "
-            "triton is first imported, or use force='reference'"
-        )
 
 
 def _blocks(d: int, device: torch.device) -> dict:
@@ -96,7 +88,7 @@ def _forward(q_B_Hq_R_D, kp_B_Hkv_P_D, vp_B_Hkv_P_D, kr_B_Hkv_R_D, vr_B_Hkv_R_D,
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, Hq, R), device=q.device, dtype=torch.float32)
     kernel = _prefix_attn_fwd_kernel
-    _check_launchable(kernel, q.device)
+    check_launchable(kernel, q.device)
     cfg = _blocks(D, q.device)
     grid = (triton.cdiv(R, cfg["BLOCK_M"]), B * Hq)
     kernel[grid](
@@ -117,7 +109,7 @@ def _backward(q, kp, vp, kr, vr, out, lse, do, dlse, scale, dkp_acc, dvp_acc, pr
     cfg = _bwd_blocks(D, q.device)
     prec = _precision(q.dtype)
     for kernel in (_prefix_attn_bwd_delta_kernel, _prefix_attn_bwd_dq_kernel, _prefix_attn_bwd_dkdv_kernel):
-        _check_launchable(kernel, q.device)
+        check_launchable(kernel, q.device)
 
     delta = torch.empty((B, Hq, R), device=q.device, dtype=torch.float32)
     grid_m = (triton.cdiv(R, cfg["BLOCK_M"]), B * Hq)
@@ -242,14 +234,6 @@ def _check(q, k_prefix, v_prefix, k_resp, v_resp, dk_acc, dv_acc) -> None:
             raise ValueError(f"{name} must be fp32 with k_prefix's shape {tuple(k_prefix.shape)} on {q.device}")
 
 
-def _use_triton(t: torch.Tensor, force: str | None) -> bool:
-    if force is None:
-        return t.is_cuda
-    if force not in ("triton", "reference"):
-        raise ValueError(f"force must be None, 'triton' or 'reference', got {force!r}")
-    return force == "triton"
-
-
 def prefix_attention(
     q: torch.Tensor,
     k_prefix: torch.Tensor,
@@ -290,7 +274,7 @@ def prefix_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     accs = dict(dk_prefix_acc=dk_prefix_acc, dv_prefix_acc=dv_prefix_acc)
-    if not _use_triton(q, force):
+    if not use_triton(q, force):
         return prefix_attention_reference(q, k_prefix, v_prefix, k_resp, v_resp, scale, return_lse=return_lse, **accs)
     if dk_prefix_acc is not None:  # the buffers take the prefix gradient, not autograd
         k_prefix, v_prefix = k_prefix.detach(), v_prefix.detach()
