@@ -22,30 +22,19 @@ import torch
 from torch import nn
 
 from longstraw.adapters.qwen import QwenAdapter, _rotate_half
-from longstraw.errors import LongStrawError
 
 FAMILIES = ("glm4_moe",)
 
 
 class GlmAdapter(QwenAdapter):
-    def __init__(self, model: nn.Module):
-        # QwenAdapter.__init__ refuses other model types, so the same fields are set here from GLM's own modules.
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        config = base.config
-        if config.model_type not in FAMILIES:
-            raise LongStrawError(f"GlmAdapter does not cover model_type {config.model_type!r}")
-        layer_types = getattr(config, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types):
-            raise LongStrawError("sliding-window attention is not supported by LongStraw yet")
-        self.decoder = base.model
-        self.lm_head = base.lm_head
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        attn = self.decoder.layers[0].self_attn
-        self.head_dim = attn.head_dim  # as Glm4MoeAttention resolved it: config.head_dim, else hidden / heads
-        self.groups = self.num_heads // self.num_kv_heads
-        self.qk_norm = bool(attn.use_qk_norm)
-        self.num_layers = len(self.decoder.layers)
+    families = FAMILIES
+
+    def _head_dim(self, config) -> int:
+        # As Glm4MoeAttention resolved it: config.head_dim, else hidden / heads (GLM-4.5-Air: 128, not 4096 / 96).
+        return self.decoder.layers[0].self_attn.head_dim
+
+    def _uses_qk_norm(self, config) -> bool:
+        return bool(self.decoder.layers[0].self_attn.use_qk_norm)
 
     def _qkv(self, attn: nn.Module, x_T_Hd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q_Hkv_G_T_D, k_Hkv_T_D, v_Hkv_T_D for normed inputs x_T_Hd: optional q/k norm, then partial RoPE.

@@ -41,11 +41,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class QwenAdapter(Adapter):
+    families = FAMILIES  # a subclass for another family names its own and overrides the per-family pieces
+
     def __init__(self, model: nn.Module):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = base.config
-        if config.model_type not in FAMILIES:
-            raise LongStrawError(f"QwenAdapter does not cover model_type {config.model_type!r}")
+        if config.model_type not in self.families:
+            raise LongStrawError(f"{type(self).__name__} does not cover model_type {config.model_type!r}")
         layer_types = getattr(config, "layer_types", None) or []
         if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
             raise LongStrawError("sliding-window attention is not supported by LongStraw yet")
@@ -53,10 +55,16 @@ class QwenAdapter(Adapter):
         self.lm_head = base.lm_head
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = self._head_dim(config)
         self.groups = self.num_heads // self.num_kv_heads
-        self.qk_norm = config.model_type in QK_NORM_FAMILIES
+        self.qk_norm = self._uses_qk_norm(config)
         self.num_layers = len(self.decoder.layers)
+
+    def _head_dim(self, config) -> int:
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def _uses_qk_norm(self, config) -> bool:
+        return config.model_type in QK_NORM_FAMILIES
 
     # -- pieces --------------------------------------------------------------------------------------------------
 
