@@ -153,10 +153,13 @@ def test_ctrl_c_checkpoints_writes_a_summary_and_exits_130(tmp_path, reference):
     assert json.loads(out.strip().splitlines()[-1])["revision"] == reference["revision"]
 
 
-def test_a_non_finite_step_is_skipped_and_never_published(tmp_path):
-    """MINT_FAULTS makes step 2's gradient NaN on every rank (mint.train.faults): DeepSpeed skips it, nothing is
-    published, and the run goes on from the unchanged adapter."""
-    code, out, err = _finish(_start(_cmd(tmp_path, "nan", "grpo.steps=3"), MINT_FAULTS="nan_gradient@2"))
+@pytest.mark.parametrize("zero_stage", [1, 0])
+def test_a_non_finite_step_is_skipped_and_never_published(tmp_path, zero_stage):
+    """MINT_FAULTS makes step 2's gradient NaN on every rank (mint.train.faults). ZeRO-1: DeepSpeed's optimizer skips
+    it; ZeRO-0: the ranks agree on it and skip engine.step(). Either way nothing is published and the run goes on
+    from the unchanged adapter."""
+    cmd = _cmd(tmp_path, "nan", "grpo.steps=3", f"learner.zero_stage={zero_stage}")
+    code, out, err = _finish(_start(cmd, MINT_FAULTS="nan_gradient@2"))
     assert code == 0, err[-3000:]
     lines = _metrics(tmp_path / "nan")
     assert [m["skipped"] for m in lines] == [0, 1, 0]
