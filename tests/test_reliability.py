@@ -137,15 +137,18 @@ def test_a_sigkilled_learner_rank_restarts_from_the_checkpoint(tmp_path, referen
 
 
 def test_ctrl_c_checkpoints_writes_a_summary_and_exits_130(tmp_path, reference):
+    """The interrupted run is asked for 40 steps (grpo.steps may change on resume), so Ctrl-C cannot race the end of
+    the run; the resume then stops at the reference's 6."""
     run = tmp_path / "ctrlc"
-    proc = _start(_cmd(tmp_path, "ctrlc"))
-    _wait_for_step(proc, run, 3)
+    proc = _start([*_cmd(tmp_path, "ctrlc"), "grpo.steps=40"])
+    _wait_for_step(proc, run, 1)
     os.kill(proc.pid, signal.SIGINT)
     code, _, err = _finish(proc)
     assert code == 130, err[-3000:]
     assert "Traceback" not in err and "mint: interrupted after step" in err
     summary = json.loads((run / "summary.json").read_text())
     assert summary["interrupted"] and summary["checkpoint"].endswith(f"step_{summary['steps']:06d}")
+    assert summary["steps"] < STEPS, "Ctrl-C was handled too late for the comparison below"
     assert not _pids("ray::LearnerActor") and not _pids("ray::RolloutActor")  # Ray's processes went with it
 
     code, out, err = _finish(_start(_cmd(tmp_path, "ctrlc", "--resume")))
