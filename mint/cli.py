@@ -1,4 +1,4 @@
-"""`mint` command line: `mint train RECIPE [section.key=value ...] [--resume]`, `mint keys`, and the catalog's
+"""`mint` command line: `mint train RECIPE [section.key=value ...] [--resume | --dry-run]`, `mint keys`, the catalog's
 commands (`mint revisions list|show|lineage|tag|gc|verify`, `mint export`, `mint serve`; see mint/hub/cli.py), and
 `mint report RUN_DIR [--out DIR]` (plots and report.md of a run; mint/train/report.py).
 
@@ -28,6 +28,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--resume", action="store_true", help="continue <logging.root>/<logging.name> from its latest checkpoint"
     )
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the placement (actors on nodes and GPUs) and memory plan; start nothing",
+    )
+    train.add_argument("--gpu-memory", default="96GB", help="with --dry-run: memory per GPU for the plan, e.g. 141GB")
     sub.add_parser("keys", help="list every recipe key with its default and help")
     plan = sub.add_parser("plan", help="per-GPU memory plan of a recipe's learner at a real base's shapes")
     plan.add_argument("recipe", help="path to a TOML recipe")
@@ -72,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         from mint.train.preflight import preflight
 
         checked = preflight(config)  # model, tokenizer, data, reward, stop tokens: before Ray is even imported
+        if args.dry_run:  # the layout a run would reserve (docs/multinode.md); no actor, no placement group
+            from mint.train.placement import dry_run
+
+            print(dry_run(config, checked.longest_prompt, args.gpu_memory))
+            return 0
         from mint.train.driver import train  # heavy imports (ray, deepspeed) only once the recipe is valid
 
         summary = train(config, resume=args.resume, checked=checked)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from mint.errors import MintError
+from mint.hub._fs import require_local_fs
 from mint.hub._schema import (
     _HEX,
     _METRIC,
@@ -63,6 +64,7 @@ class Catalog:
 
     def __init__(self, root: str | Path, create: bool = True):
         self.root = Path(root)
+        require_local_fs(self.root)  # SQLite's WAL is unsafe on NFS, Lustre, ... (mint.hub._fs)
         db = self.root / DB_FILE
         if not db.exists() and not create:
             raise MintError(f"{self.root}: no catalog here ({DB_FILE} is missing)")
