@@ -35,7 +35,9 @@ format: setup
 	$(BIN)/ruff format .
 
 bench: setup
-	$(BIN)/python bench/rollout_prefix.py
+	$(BIN)/python bench/rollout_throughput.py
+	$(BIN)/python bench/overlap.py
+	$(BIN)/python bench/sharded.py
 	$(BIN)/python bench/r3_mismatch.py
 	$(BIN)/python bench/mint_catalog.py
 	$(BIN)/python bench/longstraw_memory.py --prompt-len 4096 --response-len 128 --flat-groups ""

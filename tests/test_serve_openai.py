@@ -6,7 +6,9 @@ A drill with the openai client found dropped connections under load, a `Content-
 more of those.
 """
 
+import base64
 import http.client
+import io
 import json
 import shutil
 import socket
@@ -14,6 +16,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
@@ -275,11 +278,13 @@ def test_routed_experts_are_the_rollout_engines(world):
     factor_experts(learner)  # the experts' LoRA computed as the rollout actors (and the server) compute it
     engine = RolloutEngine(learner, [build_tokenizer().eos_token_id])
     group = engine.generate([prompt], 2, SamplingParams(temperature=1.0, max_tokens=5), seed=9)[0]
-    assert group.prompt_routes_P1_L_K.tolist() == out.choices[0].model_extra["prompt_routed_experts"]
     for choice, completion in zip(out.choices, group.completions, strict=True):
         assert choice.model_extra["token_ids"] == completion.tokens_R.tolist()
-        routes = choice.model_extra["routed_experts"]
-        assert len(routes) == len(choice.model_extra["token_ids"]) and routes == completion.routes_R_L_K.tolist()
+        # vLLM's encoding (docs/rollout.md): base64 .npy [P+R-1, L, k], prompt rows then one row per token
+        rows = np.load(io.BytesIO(base64.b64decode(choice.model_extra["routed_experts"])), allow_pickle=False)
+        want = torch.cat([group.prompt_routes_P1_L_K, completion.routes_R_L_K])
+        assert rows.dtype == np.uint8 and rows.tolist() == want.tolist()
+        assert "prompt_routed_experts" not in choice.model_extra
 
 
 def _raw(port: int, data: bytes, wait: float = 10.0) -> bytes:

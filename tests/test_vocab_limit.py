@@ -40,7 +40,7 @@ def test_the_engine_never_samples_padding_and_scores_the_cut_distribution(random
         want = token_logprobs(logits[:, :LIMIT], tokens)
         torch.testing.assert_close(completion.logprobs_R, want, atol=1e-5, rtol=1e-5)
     uncut = RolloutEngine(model, eos_token_ids=[])
-    (group,) = uncut.generate([prompt], 6, SamplingParams(temperature=1.0, max_tokens=5), seed=0)
+    (group,) = uncut.generate([prompt], 16, SamplingParams(temperature=1.0, max_tokens=8), seed=0)
     assert any(int(c.tokens_R.max()) >= LIMIT for c in group.completions)  # the padding rows do dominate
 
 

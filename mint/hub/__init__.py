@@ -5,8 +5,10 @@ its modules, and a test enforces it). MinT stands on its own: it never imports t
 
     Catalog(root)                 open or create a catalog: put, get, resolve, load, latest, lineage, list, tags, gc
     catalog_dir(config)           where a run publishes
+    require_local_fs(path)        refuse a network filesystem for the catalog (SQLite WAL)
     RevisionMeta                  a revision's metadata (id, parent, step, run, recipe hash, base, metrics)
     read_revision_dir(path)       a revision directory's tensors and metadata, hash-verified
+    write_revision_dir(path, ...) write one (PEFT layout, atomically): what a rollout actor hands its engine
     revision_id(tensors)          sha256 of the canonical tensors: the id
     to_bytes / from_bytes         safetensors bytes of a LoRA state (what crosses Ray)
     base_fingerprint(spec)        identity of a base model's weights
@@ -26,10 +28,12 @@ import importlib
 _EXPORTS = {
     "Catalog": "mint.hub.catalog",
     "catalog_dir": "mint.hub.catalog",
+    "require_local_fs": "mint.hub._fs",
     "RecordShard": "mint.hub._schema",
     "RevisionMeta": "mint.hub.revisions",
     "revision_id": "mint.hub.revisions",
     "read_revision_dir": "mint.hub.revisions",
+    "write_revision_dir": "mint.hub.revisions",
     "to_bytes": "mint.hub.revisions",
     "from_bytes": "mint.hub.revisions",
     "base_fingerprint": "mint.hub.revisions",

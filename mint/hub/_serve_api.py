@@ -3,8 +3,9 @@
 Requests validate strictly: a string is not a number, a bool is not an integer, NaN and infinity are refused, and
 every field the server does not implement is named in one 400 instead of being ignored. A field counts as set when
 it is present and not null; a few are accepted at their no-op value (`frequency_penalty: 0`, `tools: []`, ...).
-Responses follow the OpenAI objects plus vLLM's extras (`token_ids`, `prompt_token_ids`, `stop_reason`) and ours
-(`routed_experts`, `prompt_routed_experts`, `mint`).
+Responses follow the OpenAI objects plus vLLM's extras (`token_ids`, `prompt_token_ids`, `stop_reason`,
+`routed_experts`) and ours (`mint`). `routed_experts` has vLLM's encoding (docs/rollout.md): the base64 of a `.npy`
+array [P+R-1, L, k] of expert ids (uint8, or uint16 past 256 experts), on whole responses only.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class _Request(BaseModel):
     # vLLM's extensions
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
-    # ours: R3 routes of the generated tokens (and of the prompt)
+    return_token_ids: bool | None = None  # vLLM's; token_ids and prompt_token_ids are always returned
+    # SGLang's request field, read here as a per-request `--enable-return-routed-experts` (vLLM has no such field)
     return_routed_experts: bool | None = None
 
     @field_validator("stop")
@@ -229,8 +231,7 @@ class _ChoiceExtras(BaseModel):
     stop_reason: str | int | None = None
     token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
     prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
-    routed_experts: list | None = Field(None, exclude_if=_omit_none)  # [R][L][k]
-    prompt_routed_experts: list | None = Field(None, exclude_if=_omit_none)  # [P-1][L][k]
+    routed_experts: str | None = Field(None, exclude_if=_omit_none)  # base64 .npy [P+R-1, L, k] (vLLM's encoding)
 
 
 class CompletionChoice(_ChoiceExtras):

@@ -86,10 +86,13 @@ class Api:
         request_timeout: float,
         max_tokens: int,
         max_n: int,
+        return_routes: bool = False,
     ):
         self.host, self.sched = host, sched
         self.max_body, self.read_timeout, self.request_timeout = max_body, read_timeout, request_timeout
         self.max_tokens, self.max_n = max_tokens, max_n
+        # --enable-return-routed-experts: every whole response of an MoE base carries routes, as in vLLM
+        self.return_routes = return_routes and host.layout is not None
         self.pieces = Pieces(host.tokenizer)
 
     async def body(self, request: Request, kind: type[BaseModel]):
@@ -134,6 +137,12 @@ class Api:
             raise HttpError(400, "stream_options: only allowed with stream=true", "stream_options")
         if req.return_routed_experts and self.host.layout is None:
             raise HttpError(400, "return_routed_experts: the base is dense; it has no routers", "return_routed_experts")
+        if req.return_routed_experts and req.stream:
+            raise HttpError(
+                400,
+                "return_routed_experts: routes come on whole responses only (as in vLLM); set stream=false",
+                "return_routed_experts",
+            )
 
     def tokens(self, prompt) -> list[int]:
         ids = self.host.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else prompt
@@ -194,7 +203,7 @@ class Api:
             stop=req.stops(),
             ignore_eos=bool(req.ignore_eos),
             top_logprobs=top_k or 0,
-            want_routes=bool(req.return_routed_experts),
+            want_routes=bool(req.return_routed_experts) or (self.return_routes and not req.stream),
             stream=bool(req.stream),
             deadline=time.monotonic() + self.request_timeout,
         )

@@ -3,13 +3,22 @@
 Logprobs are the engine's: log softmax(logits / T) in fp32 at each token (T = 1 for greedy), and the top-k
 alternatives of that same distribution (not truncated by top_p). Completions list them as
 {piece: logprob} with the sampled token added (so up to k + 1 entries, as OpenAI does); chat lists exactly the top k.
+
+Routed experts use vLLM's encoding (the `routed_experts` field of a choice in vLLM after v0.21.0, vllm-project/vllm
+PR #39568): one array [P+R-1, L, k] for the whole sequence, prompt rows first (row i = the routing of the forward over
+input position i; the last token was never fed, so it has none), saved with `numpy.save` and base64-encoded.
+vLLM returns them on whole responses only, and so does this server.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import time
 import uuid
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from mint.hub._serve_api import (
     AssistantMessage,
@@ -28,6 +37,16 @@ from mint.hub._serve_api import (
     Usage,
 )
 from mint.hub._serve_decode import Choice, Delta, Done
+
+
+def encode_routes(prompt_routes: list, routes: list) -> str:
+    """vLLM's `routed_experts`: base64 of the `.npy` bytes of prompt_routes [P-1][L][k] + routes [R][L][k], as
+    uint8 while every id fits (up to 256 experts), else uint16. Decode: np.load(io.BytesIO(b64decode(s)))."""
+    rows_S_L_K = np.asarray(prompt_routes + routes, dtype=np.int64)
+    dtype = np.uint8 if rows_S_L_K.size == 0 or rows_S_L_K.max() < 256 else np.uint16
+    buf = io.BytesIO()
+    np.save(buf, rows_S_L_K.astype(dtype), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 class Pieces:
@@ -103,12 +122,14 @@ class Renderer:
         out = []
         for c in choices:
             self.completion_tokens += len(c.token_ids)
+            routes = None
+            if c.routes is not None:
+                routes = encode_routes(done.prompt_routes[c.prompt_index] or [], c.routes)
             extras = dict(
                 stop_reason=c.stop_reason,
                 token_ids=c.token_ids,
                 prompt_token_ids=done.prompts[c.prompt_index],
-                routed_experts=c.routes,
-                prompt_routed_experts=done.prompt_routes[c.prompt_index],
+                routed_experts=routes,
             )
             if self.chat:
                 logprobs = None if self.top_k is None else self._chat_logprobs(c.token_ids, c.logprobs, c.top)
@@ -140,11 +161,11 @@ class Renderer:
         return Completion(id=self.id, created=self.created, model=self.model, choices=[CompletionChoice(**choice)])
 
     def opening(self, done: Done, n: int) -> list:
-        """One chunk per choice before its tokens: the assistant role (chat), prompt_token_ids, prompt routes."""
+        """One chunk per choice before its tokens: the assistant role (chat) and prompt_token_ids."""
         chunks = []
         for p, prompt in enumerate(done.prompts):
             for r in range(n):
-                extras = dict(prompt_token_ids=prompt, prompt_routed_experts=done.prompt_routes[p])
+                extras = dict(prompt_token_ids=prompt)
                 if self.chat:
                     chunks.append(
                         self._chunk(dict(index=p * n + r, delta=ChatDelta(role="assistant", content=""), **extras))
@@ -156,7 +177,7 @@ class Renderer:
     def delta(self, d: Delta) -> ChatCompletionChunk | Completion:
         self.completion_tokens += 1
         self.sent[d.index] = self.sent.get(d.index, "") + d.text
-        extras = dict(token_ids=[d.token_id], routed_experts=None if d.route_L_K is None else [d.route_L_K])
+        extras = dict(token_ids=[d.token_id])
         tops = None if d.top is None else [d.top]
         if self.chat:
             logprobs = None if self.top_k is None else self._chat_logprobs([d.token_id], [d.logprob], tops)

@@ -97,6 +97,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take in all (504)")
     p.add_argument("--read-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (408)")
     p.add_argument("--max-tokens", type=int, default=4096, help="largest max_tokens a request may ask for")
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="every whole response of an MoE base carries routed_experts (vLLM's flag and encoding)",
+    )
     p.add_argument("--verbose", action="store_true", help="log each request to stderr")
 
 
@@ -252,6 +257,7 @@ def run_command(args) -> int:
             request_timeout=args.request_timeout,
             read_timeout=args.read_timeout,
             max_tokens=args.max_tokens,
+            enable_return_routed_experts=args.enable_return_routed_experts,
         )
         return 0
     raise MintError(f"unknown command {args.command}")

@@ -5,7 +5,8 @@ Endpoints
     GET  /v1/models, /v1/models/{id}   the base and every resident revision (`parent` = the base, as vLLM lists LoRA)
     POST /v1/completions               prompt: text, token ids, or a list of either; stream, n, logprobs=k, stop, seed
     POST /v1/chat/completions          messages (string or text-part content) through the base's chat template
-    POST /v1/load_lora_adapter         {"lora_name", "lora_path", "load_inplace"}: vLLM's shape
+    POST /v1/load_lora_adapter         {"lora_name", "lora_path", "load_inplace"}: vLLM's shape (load_inplace points
+                                       an existing name at the new revision, as vLLM's RL weight swap does)
     POST /v1/unload_lora_adapter       {"lora_name"}
     GET  /health
 
@@ -16,7 +17,10 @@ The parts, each its own module:
     _serve_decode   one decode batch: each request sampled as `RolloutEngine` samples it alone, with its own seed
     _serve_render   decoded choices -> OpenAI objects and stream chunks
     _serve_http     the FastAPI routes, body limits and timeouts
-docs/mint.md ("Serving") describes the surface, what is refused, and the batching design.
+docs/mint.md ("Serving") describes the surface, what is refused, and the batching design. Routed experts (R3) come in
+vLLM's encoding, with `--enable-return-routed-experts` on every whole response or per request with SGLang's
+`return_routed_experts` field; docs/rollout.md gives the format and its source. The trainer's `rollout.backend = vllm`
+uses this server as its stand-in for vLLM on CPU.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ def serve(
     read_timeout: float = 30.0,
     max_tokens: int = 4096,
     max_n: int = 64,
+    enable_return_routed_experts: bool = False,
 ) -> None:
     """Run until SIGINT/SIGTERM (then exit cleanly). Prints one JSON line with the URL once the socket listens
     (port 0: any free one)."""
@@ -115,6 +120,7 @@ def serve(
         request_timeout=request_timeout,
         max_tokens=max_tokens,
         max_n=max_n,
+        return_routes=enable_return_routed_experts,
     )
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)

@@ -187,8 +187,9 @@ def plot_grad_norm(rows: list[dict]) -> Figure | None:
 
 
 def plot_time(rows: list[dict]) -> Figure | None:
-    """Seconds per step in each phase (rollout, learn, sync when logged) and the whole step, as lines."""
-    return _simple(rows, ["rollout_s", "learn_s", "sync_s", "step_s"], "Time per step", "seconds")
+    """Seconds per step in each phase (rollout, learn, sync when logged), the learner's idle time and the whole step,
+    as lines (with rollout.max_staleness >= 1, rollout_s is only the wait that learning did not hide)."""
+    return _simple(rows, ["rollout_s", "learn_s", "sync_s", "idle_s", "step_s"], "Time per step", "seconds")
 
 
 def plot_memory(rows: list[dict]) -> Figure | None:
@@ -201,7 +202,7 @@ PLOTS: dict[str, tuple[Callable[[list[dict]], Figure | None], str]] = {
     "response_length": (plot_response_length, "response_len_mean"),
     "policy": (plot_policy, "kl, clip_frac, trust_kept_frac, masked_*"),
     "grad_norm": (plot_grad_norm, "grad_norm"),
-    "time": (plot_time, "rollout_s, learn_s, sync_s, step_s"),
+    "time": (plot_time, "rollout_s, learn_s, sync_s, idle_s, step_s"),
     "memory": (plot_memory, "peak_memory_mb"),
 }
 

@@ -1,12 +1,22 @@
-"""RolloutActor: samples G responses per prompt with the built-in engine and scores them with the reward function.
+"""RolloutActor: samples G responses per prompt on its rollout backend and scores them with the reward function.
 
-It holds the frozen base plus a LoRA adapter of the same shape as the learner's. Weight sync is a revision
-publish: the driver hands it the adapter's safetensors bytes (through the object store) and the revision id.
+`rollout.backend = builtin`: the actor holds the frozen base plus a LoRA adapter of the same shape as the learner's
+and samples in process. `vllm` / `sglang`: it fronts engine servers (`rollout.urls[j::num_actors]` for actor j) and
+holds only the tokenizer; `mint.rollout.backends` speaks their protocols.
+
+Weight sync is a revision publish. `sync_adapter` takes the revision's safetensors bytes straight from the learner
+(an object ref: no driver hop), hashes them once (that hash is the revision id), and installs them: into the
+in-process adapter, or as a PEFT directory written on this actor's node that its engines load (load_inplace on
+vLLM) before the call returns, so no later request samples the old revision. `load_adapter` does the same for bytes
+whose id is already known (checkpoint restore, a restarted actor) and refuses bytes that do not hash to it.
 """
 
 from __future__ import annotations
 
+import shutil
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -52,26 +62,19 @@ def stop_token_ids(tokenizer, stop_tokens: list[str]) -> tuple[int, ...]:
 
 
 class RolloutActor:
-    def __init__(self, config: Config, model_path: str):
+    def __init__(self, config: Config, model_path: str, index: int = 0):
         from transformers import AutoTokenizer
 
-        from mint.models.lora import add_lora
-        from mint.models.specs import load_model, usable_vocab
         from mint.rl.reward_set import RewardSet
-        from mint.rollout.engine import RolloutEngine
 
         torch.set_num_threads(config.ray.torch_threads)
         self.config = config
-        use_cuda = config.ray.rollout_gpus > 0 and torch.cuda.is_available()
+        self.index = index
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = add_lora(load_model(model_path, config.model.dtype), config.lora, config.grpo.seed)
-        self.model = model.to("cuda") if use_cuda else model
-        eos = self.model.generation_config.eos_token_id
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        if self.tokenizer.eos_token_id is not None:
-            eos_ids.append(self.tokenizer.eos_token_id)
-        limit = usable_vocab(len(self.tokenizer), self.model.config)
-        self.engine = RolloutEngine(self.model, sorted(set(eos_ids)), vocab_limit=limit)
+        if config.rollout.backend == "builtin":
+            max_positions = self._start_builtin(config, model_path)
+        else:
+            max_positions = self._start_http(config, model_path, index)
         r = config.rollout
         self.params = SamplingParams(
             temperature=r.temperature,
@@ -82,7 +85,55 @@ class RolloutActor:
         self.rewards = RewardSet(config.data.reward, config.data.reward_timeout)
         self.revision: str | None = None
         # Prompt tokens that leave room for max_tokens in the model's positions (preflight checked the data set).
-        self.max_prompt = self.model.config.max_position_embeddings - r.max_tokens
+        self.max_prompt = max_positions - r.max_tokens
+
+    def _start_builtin(self, config: Config, model_path: str) -> int:
+        """The base plus LoRA in this process, sampled by the built-in engine."""
+        from mint.models.lora import add_lora
+        from mint.models.specs import load_model, usable_vocab
+        from mint.rollout.backends.builtin import BuiltinBackend
+        from mint.rollout.engine import RolloutEngine
+
+        use_cuda = config.ray.rollout_gpus > 0 and torch.cuda.is_available()
+        model = add_lora(load_model(model_path, config.model.dtype), config.lora, config.grpo.seed)
+        self.model = model.to("cuda") if use_cuda else model
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None:
+            eos_ids.append(self.tokenizer.eos_token_id)
+        limit = usable_vocab(len(self.tokenizer), self.model.config)
+        self.engine = RolloutEngine(self.model, sorted(set(eos_ids)), vocab_limit=limit)
+        self.backend = BuiltinBackend(self.engine)
+        return self.model.config.max_position_embeddings
+
+    def _start_http(self, config: Config, model_path: str, index: int) -> int:
+        """Engine servers that already run: health-checked here, so a dead one stops the run with one line."""
+        from transformers import AutoConfig
+
+        from mint.config import run_dir
+        from mint.hub import base_fingerprint
+        from mint.models.lora import peft_config
+        from mint.models.specs import moe_layout
+        from mint.rollout.backends import http_backend
+
+        r = config.rollout
+        model_config = AutoConfig.from_pretrained(model_path)
+        self.model = self.engine = None
+        self.backend = http_backend(
+            r.backend, r.urls[index :: r.num_actors], moe_layout(model_config), r.engine_timeout
+        )
+        self.adapter_root = Path(r.adapter_dir or run_dir(config) / "engine_adapters") / f"actor_{index}"
+        # adapter_config.json as the learner's PEFT model writes it (`adapter_config_dict`), from the same recipe
+        lora = peft_config(config.lora, model_config).to_dict()
+        lora["base_model_name_or_path"] = model_path
+        self.adapter_config = {k: sorted(v) if isinstance(v, set) else v for k, v in lora.items()}
+        self.adapter_meta = {
+            "run": config.logging.name,
+            "base_model": config.model.path,
+            "base_fingerprint": base_fingerprint(model_path),
+            "format": "peft",
+        }
+        return model_config.max_position_embeddings
 
     def pid(self) -> int:
         import os
@@ -106,7 +157,6 @@ class RolloutActor:
         """
         from mint.errors import MintError
         from mint.hub import from_bytes, revision_id
-        from mint.models.lora import load_lora_state
 
         if data is not None:
             tensors = from_bytes(data)
@@ -120,9 +170,41 @@ class RolloutActor:
             revision = meta.id
         else:
             raise MintError("load_adapter: give the revision's bytes or a catalog to read it from")
-        load_lora_state(self.model, tensors)
-        self.revision = revision
+        self._install(revision, tensors)
         return revision
+
+    def sync_adapter(self, data: bytes) -> dict:
+        """Weight sync straight from the learner: `data` (its safetensors bytes, fetched from the learner's object
+        store) is hashed once here, and that hash is the revision installed. Returns {"revision", "sync_s"}: the
+        id and this actor's seconds (hash, write, engine load); the driver checks every actor got the same id."""
+        from mint.hub import from_bytes, revision_id
+
+        t0 = time.perf_counter()
+        tensors = from_bytes(data)
+        revision = revision_id(tensors)
+        self._install(revision, tensors)
+        return {"revision": revision, "sync_s": time.perf_counter() - t0}
+
+    def _install(self, revision: str, tensors: dict) -> None:
+        """Make `revision` the adapter every later sample uses: in process, or on the engines through a PEFT
+        directory on this node (written atomically; the current and the previous revision's directories stay)."""
+        if self.config.rollout.backend == "builtin":
+            self.backend.load_tensors(tensors)
+        elif revision != self.revision:
+            from mint.hub import write_revision_dir
+
+            target = self.adapter_root / f"rev_{revision}"
+            write_revision_dir(target, tensors, self.adapter_config, self.adapter_meta)
+            self.backend.load_adapter(revision, target)
+            keep = {target.name} | ({f"rev_{self.revision}"} if self.revision else set())
+            for old in self.adapter_root.glob("rev_*"):
+                if old.name not in keep:
+                    shutil.rmtree(old, ignore_errors=True)
+        self.revision = revision
+
+    def _sample_groups(self, prompts: list[list[int]], group_size: int, params: SamplingParams, seed: int):
+        """The seam between the actor and its backend: one GroupRollout per prompt."""
+        return self.backend.generate(prompts, group_size, params, seed)
 
     def evaluate(
         self, examples: list[Example], n: int, temperature: float, seed: int, revision: str
@@ -138,7 +220,7 @@ class RolloutActor:
             stop_token_ids=self.params.stop_token_ids,
         )
         prompts = [self._prompt(ex) for ex in examples]
-        groups = self.engine.generate(prompts, n, params, seed)
+        groups = self._sample_groups(prompts, n, params, seed)
         responses = [
             self.tokenizer.decode(c.tokens_R.tolist(), skip_special_tokens=True) for g in groups for c in g.completions
         ]
@@ -165,7 +247,7 @@ class RolloutActor:
             raise StaleRevision(f"rollout actor holds revision {held}, asked for {revision[:12]}")
 
         prompts = [self._prompt(ex) for ex in examples]
-        groups = self.engine.generate(prompts, self.config.rollout.group_size, self.params, seed)
+        groups = self._sample_groups(prompts, self.config.rollout.group_size, self.params, seed)
         G = self.config.rollout.group_size
         responses = [
             [self.tokenizer.decode(c.tokens_R.tolist(), skip_special_tokens=True) for c in group.completions]

@@ -1,0 +1,96 @@
+"""`rollout.backend = sglang`: SGLang servers through their native /generate API.
+
+One group = one POST /generate with G copies of the prompt (a batch: the radix cache holds the prefix once):
+
+    request   input_ids [[ids] x G], sampling_params {temperature, top_p, max_new_tokens, stop_token_ids,
+              sampling_seed}, return_logprob: true, return_routed_experts: true, lora_path (the loaded adapter's name)
+    response  a list of G objects: output_ids, meta_info.output_token_logprobs [[logprob, id, text], ...],
+              meta_info.finish_reason {"type": "stop" | "length" | "abort", ...}, and with the server started with
+              --enable-return-routed-experts, meta_info.routed_experts: base64 of int32 [P+R-1, L, k] (shape not sent)
+
+Weight sync: SGLang names adapters and has no in-place swap, so each revision loads under its own name
+(POST /load_lora_adapter {"lora_name", "lora_path"}), later requests name it, and the previous one is unloaded
+(POST /unload_lora_adapter {"lora_name"}). SGLang's logprobs are log softmax(logits / T) before top-p, the learner's
+convention, unless SGLANG_RETURN_ORIGINAL_LOGPROB is set. Formats and their sources: docs/rollout.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mint.rollout.backends.base import EngineError, HttpBackend, decode_int32, split_routes
+from mint.rollout.engine import Completion, GroupRollout, SamplingParams
+
+FINISH_TYPES = ("stop", "length")
+
+
+class SglangBackend(HttpBackend):
+    name = "sglang"
+    health_paths = ("/health",)
+
+    def __init__(self, urls, layout, timeout: float, lora_name: str = "mint-policy"):
+        super().__init__(urls, layout, timeout)
+        self.prefix = lora_name
+        self.adapter: str | None = None  # the name requests use; None samples the base
+
+    def load_adapter(self, revision: str, path: Path) -> None:
+        name = f"{self.prefix}-{revision[:16]}"
+        if name == self.adapter:
+            return
+        for url in self.urls:
+            self._request("POST", url, "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        old, self.adapter = self.adapter, name
+        if old is not None:  # after the switch: no request in flight names it any more
+            for url in self.urls:
+                self._request("POST", url, "/unload_lora_adapter", {"lora_name": old})
+
+    def _group(self, url: str, prompt: list[int], group_size: int, params: SamplingParams, seed: int) -> GroupRollout:
+        body = {
+            "input_ids": [prompt] * group_size,
+            "sampling_params": {
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "max_new_tokens": params.max_tokens,
+                "stop_token_ids": list(params.stop_token_ids),
+                "sampling_seed": seed,
+            },
+            "return_logprob": True,
+            "return_routed_experts": self.layout is not None,
+        }
+        if self.adapter is not None:
+            body["lora_path"] = self.adapter  # one name for the whole batch
+        out = self._post_json(url, "/generate", body)
+        if not isinstance(out, list) or len(out) != group_size:
+            got = len(out) if isinstance(out, list) else type(out).__name__
+            raise EngineError(f"rollout engine {url}: /generate with {group_size} prompts answered {got} results")
+        completions, prompt_routes = [], None
+        for item in out:
+            completion, routes_P1 = self._completion(url, item, len(prompt))
+            completions.append(completion)
+            prompt_routes = routes_P1 if prompt_routes is None else prompt_routes
+        return GroupRollout(torch.tensor(prompt, dtype=torch.int64), prompt_routes, completions)
+
+    def _completion(self, url: str, item: dict, num_prompt: int) -> tuple[Completion, torch.Tensor | None]:
+        meta = item.get("meta_info") or {}
+        ids = item.get("output_ids")
+        logprobs = meta.get("output_token_logprobs")
+        if not ids or logprobs is None or len(logprobs) != len(ids):
+            raise EngineError(f"rollout engine {url}: a result without output_ids and one logprob per token")
+        if [entry[1] for entry in logprobs] != ids:
+            raise EngineError(f"rollout engine {url}: output_token_logprobs do not follow output_ids")
+        finish = (meta.get("finish_reason") or {}).get("type")
+        if finish not in FINISH_TYPES:
+            raise EngineError(f"rollout engine {url}: finish_reason {meta.get('finish_reason')!r}")
+        encoded = meta.get("routed_experts")
+        num_rows = num_prompt + len(ids) - 1
+        rows = decode_int32(encoded, num_rows) if isinstance(encoded, str) else None
+        prompt_routes, routes = split_routes(rows, num_prompt, len(ids), self.layout)
+        completion = Completion(
+            tokens_R=torch.tensor(ids, dtype=torch.int64),
+            logprobs_R=torch.tensor([float(entry[0]) for entry in logprobs], dtype=torch.float32),
+            routes_R_L_K=routes,
+            finish_reason=finish,
+        )
+        return completion, prompt_routes

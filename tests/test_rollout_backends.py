@@ -1,0 +1,377 @@
+"""Issue 13: rollout backends against real servers over real HTTP.
+
+- `rollout.backend = vllm` against a real `mint serve` process (our vLLM stand-in, started as vLLM is: with
+  --enable-return-routed-experts): the tokens, logprobs and routes equal the built-in engine's for the same seed and
+  revision, the routes line up with the positions the learner feeds, and load_inplace swaps the adapter.
+- `rollout.backend = sglang` against a small real HTTP server in this file that answers SGLang's /generate with the
+  documented fields only (docs/rollout.md names the SGLang PRs they come from), sampling with the built-in engine.
+- The rollout actor's weight sync (bytes -> hash once -> adapter directory on its node -> the engine's load call)
+  through both, and one clear line for an engine that is down.
+- A training run (real Ray, DeepSpeed on gloo, 1 learner rank) with rollout.backend = vllm pointed at `mint serve`
+  learns the smoke task, with every token's route replayed and the served logprobs equal to the learner's.
+"""
+
+import base64
+import io
+import json
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import uvicorn
+from conftest import build_random_tiny
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from test_serve import ROOT, _learner, _publish, start_server, stop_server
+
+from longstraw.routing import RouteRecorder
+from mint.config import load_config
+from mint.config.load import build_config
+from mint.errors import ConfigError
+from mint.hub import read_revision_dir, to_bytes, write_revision_dir
+from mint.hub.catalog import Catalog
+from mint.models.expert_lora import factor_experts
+from mint.models.lora import load_lora_state
+from mint.models.specs import load_model, moe_layout
+from mint.models.tiny import VOCAB_SIZE, build_tokenizer, resolve_model_path
+from mint.rl.tasks import Example
+from mint.rollout import RolloutEngine, SamplingParams
+from mint.rollout.backends import EngineError, SglangBackend, VllmBackend, http_backend
+from mint.rollout.engine import group_seed
+from mint.train.driver import train
+from mint.train.rollout_actor import RolloutActor
+
+PROMPTS = [[5, 77, 131, 12, 300, 41], [9, 8, 7]]
+PARAMS = SamplingParams(temperature=1.0, max_tokens=6)
+G = 3
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A random tiny Qwen3-MoE (with the embedded tokenizer), revisions a and b in a catalog, their PEFT adapter
+    directories as a rollout actor writes them, and `mint serve --enable-return-routed-experts` over them."""
+    root = tmp_path_factory.mktemp("backends")
+    base = build_random_tiny("qwen3_moe", str(root / "base"), vocab_size=VOCAB_SIZE)
+    build_tokenizer().save_pretrained(base)
+    dirs = {}
+    with Catalog(root / "catalog") as cat:
+        a = _publish(cat, base, seed=1, step=1, parent=None)
+        b = _publish(cat, base, seed=2, step=2, parent=a)
+        for name, rid in (("a", a), ("b", b)):
+            tensors, meta = cat.load(rid)
+            dirs[name] = root / "adapters" / f"rev_{rid}"
+            write_revision_dir(dirs[name], tensors, meta.lora_config, {"base_fingerprint": meta.base_fingerprint})
+    args = ("--served-model-name", "tiny", "--adapter-root", str(root / "adapters"), "--enable-return-routed-experts")
+    proc, url = start_server(base, str(root / "catalog"), root / "server.log", args)
+    yield dict(url=url, base=base, catalog=root / "catalog", root=root, a=a, b=b, dirs=dirs)
+    assert stop_server(proc) == 0, (root / "server.log").read_text()[-2000:]
+
+
+def _engine(world, rid):
+    """The built-in engine on the learner-side model of revision `rid`, experts' LoRA factored as the actors run it."""
+    model = _learner(world, rid)
+    factor_experts(model)
+    return RolloutEngine(model, [build_tokenizer().eos_token_id])
+
+
+def _same_groups(got, want, atol=1e-5):
+    """Tokens, finish reasons and routes equal; logprobs within float noise (the server may batch differently)."""
+    assert torch.equal(got.prompt_tokens_P, want.prompt_tokens_P)
+    assert torch.equal(got.prompt_routes_P1_L_K, want.prompt_routes_P1_L_K)
+    assert got.prompt_routes_P1_L_K.dtype == want.prompt_routes_P1_L_K.dtype == torch.uint8
+    for c, w in zip(got.completions, want.completions, strict=True):
+        assert c.tokens_R.tolist() == w.tokens_R.tolist() and c.finish_reason == w.finish_reason
+        torch.testing.assert_close(c.logprobs_R, w.logprobs_R, atol=atol, rtol=0)
+        assert torch.equal(c.routes_R_L_K, w.routes_R_L_K)
+
+
+def test_vllm_backend_equals_the_builtin_engine_and_load_inplace_swaps(world):
+    layout = moe_layout(load_model(world["base"]).config)
+    backend = http_backend("vllm", [world["url"]], layout, timeout=60)
+    try:
+        backend.load_adapter(world["a"], world["dirs"]["a"])
+        got_a = backend.generate(PROMPTS, G, PARAMS, seed=11)
+        engine_a = _engine(world, world["a"])
+        # Group i is sent with group_seed(11, i), as the engine seeds it; mint serve samples a one-prompt request as
+        # the engine samples it alone, and the engine's batched call agrees with that within float noise.
+        for i, (prompt, group) in enumerate(zip(PROMPTS, got_a, strict=True)):
+            _same_groups(group, engine_a.generate([prompt], G, PARAMS, seed=group_seed(11, i))[0])
+        for group, want in zip(got_a, engine_a.generate(PROMPTS, G, PARAMS, seed=11), strict=True):
+            _same_groups(group, want, atol=1e-4)
+        # load_inplace: the same lora_name now serves b (vLLM's RL weight swap); the server lists one adapter.
+        backend.load_adapter(world["b"], world["dirs"]["b"])
+        got_b = backend.generate(PROMPTS[:1], G, PARAMS, seed=11)[0]
+        _same_groups(got_b, _engine(world, world["b"]).generate(PROMPTS[:1], G, PARAMS, seed=11)[0])
+        assert [c.tokens_R.tolist() for c in got_b.completions] != [c.tokens_R.tolist() for c in got_a[0].completions]
+        served = httpx.get(world["url"] + "/v1/models").json()["data"]
+        assert [(m["id"], m["root"]) for m in served if m["parent"]] == [("mint-policy", world["b"])]
+    finally:
+        backend.close()
+
+
+def test_vllm_routes_line_up_with_the_learners_positions(world):
+    """cat(prompt routes, response routes) has P+R-1 rows: the routing of prompt + response[:-1], the positions a
+    learner feeds to score the response (R3). A teacher-forced forward of exactly those tokens records them again."""
+    model = _learner(world, world["a"])
+    factor_experts(model)
+    backend = http_backend("vllm", [world["url"]], moe_layout(model.config), timeout=60)
+    try:
+        backend.load_adapter(world["a"], world["dirs"]["a"])
+        group = backend.generate(PROMPTS[:1], 2, PARAMS, seed=3)[0]
+    finally:
+        backend.close()
+    prompt = group.prompt_tokens_P.tolist()
+    for c in group.completions:
+        fed = prompt + c.tokens_R.tolist()[:-1]
+        with torch.no_grad(), RouteRecorder(model) as recorder:
+            model(input_ids=torch.tensor([fed]))
+            recorded_S_L_K = recorder.pop_batched(1, len(fed))[0]
+        rows_S_L_K = torch.cat([group.prompt_routes_P1_L_K, c.routes_R_L_K])
+        assert rows_S_L_K.shape[0] == len(fed) == len(prompt) + len(c.tokens_R) - 1
+        assert torch.equal(rows_S_L_K.long().sort(-1).values, recorded_S_L_K.long().sort(-1).values)
+
+
+def test_mint_serve_returns_routes_in_vllms_encoding(world):
+    """choices[i].routed_experts: base64 of a .npy [P+R-1, L, k] uint8 array, on every whole response with
+    --enable-return-routed-experts (vLLM has no per-request switch); streams carry none and cannot ask for them."""
+    body = dict(model="tiny", prompt=PROMPTS[0], max_tokens=4, n=2, seed=1, return_token_ids=True)
+    out = httpx.post(world["url"] + "/v1/completions", json=body, timeout=60).json()
+    for choice in out["choices"]:
+        rows = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])), allow_pickle=False)
+        assert rows.dtype == np.uint8 and rows.shape[0] == len(PROMPTS[0]) + len(choice["token_ids"]) - 1
+        assert "prompt_routed_experts" not in choice
+    streamed = httpx.post(world["url"] + "/v1/completions", json={**body, "stream": True}, timeout=60)
+    assert streamed.status_code == 200 and "routed_experts" not in streamed.text
+    refused = httpx.post(
+        world["url"] + "/v1/completions", json={**body, "stream": True, "return_routed_experts": True}, timeout=60
+    )
+    assert refused.status_code == 400 and "whole responses only" in refused.json()["error"]["message"]
+
+
+def test_an_engine_that_is_down_is_one_clear_line(world):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(EngineError) as err:
+        http_backend("vllm", [world["url"], dead], None, timeout=5)
+    message = str(err.value)
+    assert "\n" not in message and dead in message and "is down" in message and "rollout.urls" in message
+    with pytest.raises(ConfigError, match="needs the engine servers' URLs"):
+        build_config({"rollout": {"backend": "sglang"}})
+    with pytest.raises(ConfigError, match="num_actors"):
+        build_config({"rollout": {"backend": "vllm", "urls": [world["url"]], "num_actors": 2}})
+
+
+# ---- an SGLang-format server ----------------------------------------------------------------------------------------
+
+
+class SglangFormatServer:
+    """A real HTTP server (uvicorn in a thread) answering SGLang's native API with its documented fields only:
+
+        POST /generate            input_ids (a batch of lists), sampling_params {temperature, top_p,
+                                  max_new_tokens, stop_token_ids, sampling_seed}, return_logprob,
+                                  return_routed_experts, lora_path  ->  [{text, output_ids, meta_info: {id,
+                                  finish_reason {type, matched | length}, prompt_tokens, completion_tokens,
+                                  output_token_logprobs [[logprob, id, null]], routed_experts (base64 int32)}}]
+        POST /load_lora_adapter   {lora_name, lora_path}     POST /unload_lora_adapter  {lora_name}
+        GET  /health
+
+    The samples come from the built-in engine on the base with the named adapter loaded, so a test can compare.
+    """
+
+    def __init__(self, base: str):
+        from mint.config import LoraConfig
+        from mint.models.lora import add_lora, lora_state
+
+        self.model = add_lora(load_model(base), LoraConfig(), seed=0)
+        self.zero = {k: torch.zeros_like(v) for k, v in lora_state(self.model).items()}  # the base itself
+        self.engine = RolloutEngine(self.model, [build_tokenizer().eos_token_id])
+        self.tokenizer = build_tokenizer()
+        self.adapters: dict[str, dict] = {}
+        self.calls: list[tuple[str, dict]] = []
+        self.lock = threading.Lock()
+        app = FastAPI()
+        app.get("/health")(lambda: {})
+        app.post("/load_lora_adapter")(self._load)
+        app.post("/unload_lora_adapter")(self._unload)
+        app.post("/generate")(self._generate)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    async def _load(self, request: Request):
+        body = await request.json()
+        self.calls.append(("load", body))
+        tensors, _, _ = read_revision_dir(body["lora_path"])
+        self.adapters[body["lora_name"]] = tensors
+        return {"success": True, "message": "Success."}
+
+    async def _unload(self, request: Request):
+        body = await request.json()
+        self.calls.append(("unload", body))
+        self.adapters.pop(body["lora_name"])
+        return {"success": True, "message": "Success."}
+
+    async def _generate(self, request: Request):
+        body = await request.json()
+        self.calls.append(("generate", body))
+        batch, sp = body["input_ids"], body["sampling_params"]
+        if any(ids != batch[0] for ids in batch) or body.get("lora_path", "") not in ("", *self.adapters):
+            return JSONResponse({"error": "this test server samples one prompt with a loaded adapter"}, 400)
+        params = SamplingParams(
+            temperature=sp["temperature"],
+            top_p=sp["top_p"],
+            max_tokens=sp["max_new_tokens"],
+            stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
+        )
+        with self.lock:
+            load_lora_state(self.model, self.adapters.get(body.get("lora_path"), self.zero))
+            group = self.engine.generate([batch[0]], len(batch), params, seed=sp["sampling_seed"])[0]
+        out = []
+        for i, c in enumerate(group.completions):
+            ids = c.tokens_R.tolist()
+            finish = {"type": "stop", "matched": ids[-1]} if c.finish_reason == "stop" else {"type": "length"}
+            meta = {
+                "id": f"req-{i}",
+                "finish_reason": finish if c.finish_reason == "stop" else {**finish, "length": len(ids)},
+                "prompt_tokens": len(batch[0]),
+                "completion_tokens": len(ids),
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(c.logprobs_R.tolist(), ids, strict=True)],
+            }
+            if body.get("return_routed_experts"):
+                rows = torch.cat([group.prompt_routes_P1_L_K, c.routes_R_L_K]).numpy().astype(np.int32)
+                meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode("ascii")
+            out.append({"text": self.tokenizer.decode(ids), "output_ids": ids, "meta_info": meta})
+        return out
+
+
+@pytest.fixture(scope="module")
+def sglang(world):
+    server = SglangFormatServer(world["base"])
+    yield server
+    server.stop()
+
+
+def test_sglang_backend_reads_the_documented_format(world, sglang):
+    layout = moe_layout(load_model(world["base"]).config)
+    backend = http_backend("sglang", [sglang.url], layout, timeout=60)
+    assert isinstance(backend, SglangBackend)
+    try:
+        backend.load_adapter(world["a"], world["dirs"]["a"])
+        got = backend.generate(PROMPTS, G, PARAMS, seed=21)
+        engine_a = _engine(world, world["a"])
+        for i, (prompt, group) in enumerate(zip(PROMPTS, got, strict=True)):
+            _same_groups(group, engine_a.generate([prompt], G, PARAMS, seed=group_seed(21, i))[0])
+        # A new revision loads under its own name and the old one is unloaded after the switch.
+        backend.load_adapter(world["b"], world["dirs"]["b"])
+        backend.generate(PROMPTS[:1], G, PARAMS, seed=21)
+    finally:
+        backend.close()
+    kinds = [(kind, body.get("lora_name") or body.get("lora_path")) for kind, body in sglang.calls]
+    name_a, name_b = f"mint-policy-{world['a'][:16]}", f"mint-policy-{world['b'][:16]}"
+    assert kinds[0] == ("load", name_a) and ("load", name_b) in kinds and ("unload", name_a) in kinds
+    assert kinds.index(("unload", name_a)) > kinds.index(("load", name_b))
+    assert kinds[-1] == ("generate", name_b)
+    request = sglang.calls[-1][1]
+    assert request["input_ids"] == [PROMPTS[0]] * G and request["return_logprob"] is True
+
+
+def test_sglang_backend_without_routes_marks_them_missing(world, sglang):
+    """An engine started without --enable-return-routed-experts sends no routes: the group carries None and the
+    learner's trust mask counts those tokens as route_missing (R3 leaves them out)."""
+    backend = SglangBackend([sglang.url], None, timeout=60)  # a dense layout: routes are not asked for
+    try:
+        group = backend.generate(PROMPTS[:1], 2, PARAMS, seed=1)[0]
+    finally:
+        backend.close()
+    assert group.prompt_routes_P1_L_K is None and all(c.routes_R_L_K is None for c in group.completions)
+    assert sglang.calls[-1][1]["return_routed_experts"] is False
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_rollout_actor_syncs_weights_into_its_engine(world, sglang, tmp_path, kind):
+    """The actor beside an engine: learner bytes -> one hash -> a PEFT directory on its node -> the engine's load
+    call, then rollouts sample that revision (and a stale revision id is refused)."""
+    url = world["url"] if kind == "vllm" else sglang.url
+    adapters = world["root"] / "adapters" / f"actor-{kind}"  # under mint serve's --adapter-root
+    config = build_config(
+        {
+            "model": {"path": world["base"]},
+            "rollout": {"backend": kind, "urls": [url], "group_size": 2, "max_tokens": 4, "adapter_dir": str(adapters)},
+            "logging": {"root": str(tmp_path)},
+        }
+    )
+    actor = RolloutActor(config, world["base"])
+    assert actor.model is None and isinstance(actor.backend, VllmBackend if kind == "vllm" else SglangBackend)
+    with Catalog(world["catalog"], create=False) as cat:
+        data_a, data_b = (to_bytes(cat.load(r)[0]) for r in (world["a"], world["b"]))
+    out = actor.sync_adapter(data_a)
+    assert out["revision"] == world["a"] and out["sync_s"] > 0
+    assert sorted(p.name for p in (adapters / "actor_0").iterdir()) == [f"rev_{world['a']}"]
+    examples = [Example(prompt="What is the last digit of 3 7 1 4?", answer="4")]
+    results = actor.rollout(examples, seed=5, revision=world["a"])
+    assert results[0].revision == world["a"] and len(results[0].rollout.completions) == 2
+    assert results[0].rollout.completions[0].routes_R_L_K is not None
+    assert actor.load_adapter(world["b"], data_b) == world["b"]
+    with pytest.raises(Exception, match="do not hash"):
+        actor.load_adapter(world["a"], data_b)
+    with pytest.raises(Exception, match="holds revision"):
+        actor.rollout(examples, seed=5, revision=world["a"])
+    actor.backend.close()
+
+
+@pytest.mark.slow
+def test_training_through_mint_serve_as_the_vllm_engine_learns(tmp_path):
+    """The smoke recipe with rollout.backend = vllm and `mint serve` started as a vLLM server would be. Every step's
+    revision reaches the engine through the rollout actor (load_inplace), the engine's logprobs are the learner's
+    (logp_diff_max), its routes line up with the learner's positions (nothing masked, no route disagrees), and the
+    reward rises."""
+    base = resolve_model_path("tiny:qwen3_moe")
+    Catalog(tmp_path / "engine-catalog").close()  # the server's own catalog stays empty: revisions come as directories
+    adapters = tmp_path / "engine-adapters"
+    adapters.mkdir()
+    args = ("--adapter-root", str(adapters), "--enable-return-routed-experts")
+    proc, url = start_server(base, str(tmp_path / "engine-catalog"), tmp_path / "engine.log", args)
+    steps = 30
+    try:
+        config = load_config(
+            ROOT / "recipes/smoke.toml",
+            [
+                f"grpo.steps={steps}",
+                "learner.num_ranks=1",
+                "rollout.backend=vllm",
+                f'rollout.urls=["{url}"]',
+                f"rollout.adapter_dir={adapters}",
+                f"logging.root={tmp_path}",
+                "logging.name=vllm",
+                "logging.progress=false",
+            ],
+        )
+        summary = train(config)
+    finally:
+        assert stop_server(proc) == 0, (tmp_path / "engine.log").read_text()[-2000:]
+    lines = [json.loads(line) for line in (tmp_path / "vllm/metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, steps + 1)) and summary["steps"] == steps
+    for m in lines:
+        assert m["logp_diff_max"] < 1e-4, m
+        assert m["trust_kept_frac"] == 1.0 and m["out_of_route_ratio"] == 0.0, m
+    rewards = [m["reward_mean"] for m in lines]
+    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    assert last > first + 0.1, rewards
+    # Only the current and the previous revision's adapter directories stay on the actor's node.
+    assert len(list((adapters / "actor_0").glob("rev_*"))) == 2
