@@ -148,3 +148,181 @@ def _all_to_all(x_N_D: torch.Tensor, out_splits: list[int], in_splits: list[int]
     out = x_N_D.new_empty(sum(out_splits), *x_N_D.shape[1:])
     dist.all_to_all_single(out, x_N_D.contiguous(), out_splits, in_splits, group=group)
     return out
+
+
+# ---- lockstep: ranks with different work issue the same MoE collectives ---------------------------------------------
+
+# experts(x_T_H, ids_T_K, weights_T_K) -> y_T_H: one MoE layer's expert-parallel experts module, collective over the
+# group (dispatch, local experts, combine). A call with T = 0 tokens serves the peers' rows and sends none.
+
+
+class Lockstep:
+    """Pads one rank's MoE work to its EP group's: agreements (all-reduce MAX of small counts) and empty passes.
+
+    `experts` lists the group's expert-parallel experts modules with their decoder-layer index, in model order.
+    An empty pass runs the given modules on T = 0 tokens, chained (each one's output is the next one's input), so
+    its forward issues the same collectives as a real forward through those layers, and a backward through it the
+    same collectives in reverse; a rank with nothing to do thereby still serves its experts to its peers (the rows
+    they send it are real, and so are the LoRA gradients they bring back).
+    """
+
+    def __init__(self, group, experts: list[tuple[int, torch.nn.Module]], top_k: int):
+        if not experts:
+            raise LongStrawError("expert parallel lockstep: the model has no expert-parallel experts modules")
+        self.group = group
+        self.experts = experts
+        self.top_k = top_k
+        weight = next(iter(experts[0][1].parameters()))
+        self.dtype, self.device = weight.dtype, weight.device
+        self.hidden = _hidden_size(experts[0][1])
+        self.calls = 0  # experts forwards run on this rank (real and empty), for the checks below
+        for _, module in experts:
+            module.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args) -> None:
+        self.calls += 1
+
+    def agree_max(self, *values: int) -> list[int]:
+        """The elementwise maximum of `values` over the group (one all-reduce; every rank calls it together)."""
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    def layers_below(self, num_layers: int) -> list[torch.nn.Module]:
+        """The experts modules of decoder layers 0 .. num_layers - 1."""
+        return [m for i, m in self.experts if i < num_layers]
+
+    def empty_pass(self, modules: list[torch.nn.Module], checkpointed: bool) -> torch.Tensor:
+        """Run `modules` on zero tokens, chained; -> y [0, H] (with a graph when grad is enabled)."""
+        x_0_H = torch.zeros(0, self.hidden, dtype=self.dtype, device=self.device, requires_grad=torch.is_grad_enabled())
+        ids_0_K = torch.zeros(0, self.top_k, dtype=torch.int64, device=self.device)
+        weights_0_K = torch.zeros(0, self.top_k, dtype=self.dtype, device=self.device)
+        h = x_0_H
+        for module in modules:
+            if checkpointed and torch.is_grad_enabled():
+                h = torch.utils.checkpoint.checkpoint(module, h, ids_0_K, weights_0_K, use_reentrant=False)
+            else:
+                h = module(h, ids_0_K, weights_0_K)
+        return h
+
+
+def _hidden_size(module: torch.nn.Module) -> int:
+    """H of an experts module: the last dim of its down projection's output rows ([E, H, I] in transformers)."""
+    base = module
+    while hasattr(base, "base_layer"):
+        base = base.base_layer
+    down = getattr(base, "down_proj", None)
+    if not isinstance(down, torch.Tensor) or down.dim() != 3:
+        raise LongStrawError(f"expert parallel lockstep: {type(base).__name__} has no fused down_proj [E, H, I]")
+    return down.shape[1]
+
+
+def _forwarded(name: str):
+    def get(self):
+        return getattr(self.inner, name)
+
+    def set_(self, value):
+        setattr(self.inner, name, value)
+
+    return property(get, set_)
+
+
+class LockstepAdapter:
+    """An adapter whose phases issue the same MoE collectives on every rank of an EP group (docs/sharding.md,
+    "Lockstep").
+
+    The engine's work per update, and what is made equal:
+      capture (and the reference's capture): ceil(S / chunk) chunk forwards through layers 0 .. L-2 (the last layer
+                stops at its K/V): the group agrees on the most chunks first, then ranks with fewer run empty passes
+                through the same layers.
+      replays (and reference replays): one forward per response; the caller makes G equal (`pad_responses`). A
+                forward with autograd checkpoints its layers by token count, which changes the collectives of its
+                backward (a checkpointed layer re-runs its forward inside backward), so the group agrees per forward:
+                checkpoint when the longest of the paired forwards reaches `checkpoint_min_tokens`.
+      prompt backward (exact): ceil(S / chunk) chunk recomputes + backwards, last chunk first: the group agrees on
+                the most chunks, and on checkpointing every chunk when any rank's longest chunk reaches the
+                threshold; ranks with fewer run empty passes with autograd and back-propagate them (a zero loss:
+                the peers' gradients still reach this rank's experts through the reverse all-to-all).
+    Agreements come before the work they size (a collective cannot overtake the MoE collectives of a phase). The
+    backward hook's `last` flag goes to the rank's final backward of the phase, padding included.
+    """
+
+    kernels = _forwarded("kernels")
+    checkpoint_min_tokens = _forwarded("checkpoint_min_tokens")
+    vocab_limit = _forwarded("vocab_limit")
+    on_positions = _forwarded("on_positions")
+
+    def __init__(self, inner, lockstep: Lockstep):
+        self.inner = inner
+        self.lockstep = lockstep
+        # A capture / prompt chunk runs every layer but the last one's MLP (QwenAdapter._layers with full=False).
+        self.chunk_experts = lockstep.layers_below(inner.num_layers - 1)
+
+    def capture(self, tokens_S: torch.Tensor, chunk_size: int):
+        n = _chunks(tokens_S.shape[0], chunk_size)
+        (n_max,) = self.lockstep.agree_max(n)
+        before = self.lockstep.calls
+        state = self.inner.capture(tokens_S, chunk_size)
+        self._check(before, n, "capture")
+        with torch.no_grad():
+            for _ in range(n_max - n):
+                self.lockstep.empty_pass(self.chunk_experts, checkpointed=False)
+        return state
+
+    def forward(self, tokens_T, state, grad, constant_rows: int) -> torch.Tensor:
+        threshold = self.inner.checkpoint_min_tokens
+        if not (torch.is_grad_enabled() and threshold > 0):
+            return self.inner.forward(tokens_T, state, grad, constant_rows)
+        (n_max,) = self.lockstep.agree_max(tokens_T.shape[0])
+        self.inner.checkpoint_min_tokens = 1 if n_max >= threshold else 0  # 1: every forward; 0: never
+        try:
+            return self.inner.forward(tokens_T, state, grad, constant_rows)
+        finally:
+            self.inner.checkpoint_min_tokens = threshold
+
+    def logprobs(self, hidden_T_Hd: torch.Tensor, targets_T: torch.Tensor, temperature: float) -> torch.Tensor:
+        return self.inner.logprobs(hidden_T_Hd, targets_T, temperature)
+
+    def backward_prompt(self, tokens_S, state, grad, chunk_size: int, meter=None, backward=None) -> int:
+        s_len, threshold = tokens_S.shape[0], self.inner.checkpoint_min_tokens
+        n = _chunks(s_len, chunk_size)
+        would = int(0 < threshold <= min(chunk_size, s_len))
+        n_max, checkpointed = self.lockstep.agree_max(n, would)
+        pad = n_max - n
+        call = backward or (lambda loss, last, carries_scale: loss.backward())
+
+        def real(loss, last, carries_scale):
+            call(loss, last and pad == 0, carries_scale)
+
+        self.inner.checkpoint_min_tokens = 1 if checkpointed else 0
+        before = self.lockstep.calls
+        try:
+            graph_bytes = self.inner.backward_prompt(tokens_S, state, grad, chunk_size, meter, real)
+        finally:
+            self.inner.checkpoint_min_tokens = threshold
+        # Each chunk runs its forward once, and again inside backward when checkpointed.
+        self._check(before, n * (1 + checkpointed), "prompt backward")
+        for k in range(pad):
+            with torch.enable_grad():
+                y_0_H = self.lockstep.empty_pass(self.chunk_experts, checkpointed=bool(checkpointed))
+            call(y_0_H.sum() * 0.0, k == pad - 1, True)
+        return graph_bytes
+
+    def _check(self, before: int, units: int, phase: str) -> None:
+        """The real phase ran the MoE calls the padding assumes (guards the adapter's chunk structure)."""
+        got, want = self.lockstep.calls - before, units * len(self.chunk_experts)
+        if got != want:
+            raise LongStrawError(
+                f"expert parallel lockstep: {phase} ran {got} expert-parallel MoE calls, expected {want} "
+                f"({units} chunks x {len(self.chunk_experts)} layers); the ranks would fall out of step"
+            )
+
+
+def pad_responses(lockstep: Lockstep, responses: list[torch.Tensor]) -> int:
+    """How many empty responses this rank adds so that the group's ranks replay the same count (agreed here)."""
+    (g_max,) = lockstep.agree_max(len(responses))
+    return g_max - len(responses)
+
+
+def _chunks(length: int, chunk_size: int) -> int:
+    return -(-length // chunk_size)

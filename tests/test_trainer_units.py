@@ -55,3 +55,22 @@ def test_a_previous_run_is_moved_aside_not_mixed_in(tmp_path, capsys):
     assert len(moved) == 1 and (moved[0] / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert json.loads((second / "config.json").read_text())["logging"]["name"] == "r"
     assert "moved the previous run" in capsys.readouterr().err
+
+
+def test_context_parallel_groups_stay_inside_blocks_of_ep_times_cp_ranks():
+    """CP groups are block-local (a block of EP x CP consecutive ranks is what placement keeps on one node), every
+    rank serves exactly one replica, the CP peers share it, and with one block the layout is the strided one."""
+    from mint.train.context_parallel import cp_group_ranks, replica_of
+
+    assert cp_group_ranks(8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert cp_group_ranks(4, 2, 2) == [[0, 2], [1, 3]] and cp_group_ranks(2, 2) == [[0, 1]]
+    assert cp_group_ranks(8, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    for world, cp, ep in [(8, 2, 2), (8, 4, 2), (16, 2, 4), (8, 8, 1)]:
+        groups = cp_group_ranks(world, cp, ep)
+        assert sorted(r for g in groups for r in g) == list(range(world)) and len(groups) == world // cp
+        for d, ranks in enumerate(groups):
+            assert {replica_of(r, cp, ep) for r in ranks} == {d}
+            assert len({r // (cp * ep) for r in ranks}) == 1  # one block
+    plans = plan_step([_group([3, 3]), _group([2]), _group([4])], world_size=8, context_parallel=2, expert_parallel=2)
+    for ranks in cp_group_ranks(8, 2, 2):
+        assert all(plans[r] is plans[ranks[0]] for r in ranks)

@@ -158,6 +158,14 @@ def is_sharded(module: nn.Module) -> bool:
     return hasattr(module, "_mint_expert_shard")
 
 
+def experts_by_layer(peft_model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """The expert-parallel experts modules with their decoder-layer index, in model order (what
+    `longstraw.expert_parallel.Lockstep` pads with)."""
+    layers = peft_model.get_base_model().model.layers
+    owner = {id(m): i for i, layer in enumerate(layers) for m in layer.modules()}
+    return [(owner[id(m)], m) for m in peft_model.modules() if is_sharded(m)]
+
+
 # ---- forward --------------------------------------------------------------------------------------------------------
 
 

@@ -8,6 +8,11 @@ Both score with the same objective (`GroupObjective`: trust mask, PPO-clip with 
 in exact mode their gradients are equal (tests/test_inner_step.py holds them to 1e-6). DeepSpeed owns every backward
 through `StepContext.backward`; nothing here sets DeepSpeed up (that is `mint.train.learner`).
 
+Under expert parallel (`StepContext.lockstep`) the ranks of an EP group must issue the same MoE collectives while they
+run different groups: the LongStraw step pads G with one-token stand-ins and runs through
+`longstraw.expert_parallel.LockstepAdapter`, and the accumulation boundary moves to `StepContext.end_accumulation`
+(docs/sharding.md, "Lockstep").
+
 The loss of a step is a sum over tokens of weight x per-token objective, with weights from global counts (see
 `mint.rl.grpo.token_weights`), so the micro-steps' backward passes add up to the gradient of the global loss.
 """
@@ -20,7 +25,10 @@ from typing import Any
 
 import torch
 
+from longstraw.adapters import adapter_for
+from longstraw.context_parallel import cp_adapter_for
 from longstraw.engine import PrefixCapture, UpdateSpec, capture_prefix, grpo_update
+from longstraw.expert_parallel import Lockstep, LockstepAdapter, pad_responses
 from longstraw.routing import ExpertLayout, GroupRoutes, RouteReplay
 from longstraw.scoring import token_logprobs
 from longstraw.trust import TrustCounts, icepop_status, out_of_route, trust_mask
@@ -110,6 +118,11 @@ class StepContext:
     world_size: int
     captures: ResidentCaptures = field(default_factory=ResidentCaptures)
     vocab_limit: int | None = None  # score only ids below it (a padded head), as the rollout engine samples
+    # Expert parallel: keeps this rank's MoE collectives in step with its EP group's (None without EP).
+    lockstep: Lockstep | None = None
+    # Context parallel: this rank's CP group (None without CP) and its size C (mint.train.context_parallel).
+    cp_group: Any = None
+    context_parallel: int = 1
 
     def backward(self, loss: torch.Tensor, boundary: bool, carries_scale: bool = False) -> None:
         """DeepSpeed's backward, with the accumulation boundary set first (gradients reduce on the boundary).
@@ -117,16 +130,31 @@ class StepContext:
         carries_scale: the scalar was built from gradients of earlier backward calls (LongStraw's prompt surrogate
         <out, dL/dout>), which already carry DeepSpeed's fp16 loss scale S; engine.backward multiplies by S again,
         so it is divided out here. Without this the prompt path's gradient came out S times too large (issue 9).
+
+        Under expert parallel no inner backward is a boundary: a rank may still serve its EP peers' backward after
+        its own last one, so the reduction waits for `end_accumulation`, which every rank calls at the same point.
         """
-        self.engine.set_gradient_accumulation_boundary(boundary)
+        self.engine.set_gradient_accumulation_boundary(boundary and self.lockstep is None)
         if carries_scale:
             loss = loss / deepspeed_loss_scale(self.engine)
         self.engine.backward(loss)
 
+    def end_accumulation(self) -> None:
+        """Expert parallel: the boundary backward (a zero loss) after every rank's micro-steps, so DeepSpeed reduces
+        the accumulated gradients once, with the ranks in step. Nothing to do without EP (the last micro-step's
+        backward was the boundary)."""
+        if self.lockstep is None:
+            return
+        params = [p for p in self.engine.module.parameters() if p.requires_grad]
+        zero = sum(p.reshape(-1)[:1].sum() for p in params) * 0.0
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.backward(zero)
+
     def micro_weight(self, micro: MicroStep) -> float:
         # DeepSpeed averages gradients over ranks; scaling by world size turns that into the global sum. Padding
-        # micro-steps (real=False) run forward and backward for lockstep but weigh nothing.
-        return float(self.world_size) if micro.real else 0.0
+        # micro-steps (real=False) run forward and backward for lockstep but weigh nothing. Under context parallel
+        # the C ranks of a CP group each hold the whole gradient of the same groups: weigh by N / C.
+        return float(self.world_size // self.context_parallel) if micro.real else 0.0
 
     def group_routes(self, group: GroupBatch) -> GroupRoutes | None:
         """R3 bookkeeping for the group, or None for a dense model (every status 0, nothing replayed)."""
@@ -173,7 +201,10 @@ class GroupObjective:
             counts.out_of_route, counts.routed = out_of_route(native_R_L_K.cpu(), group.routes[i], status)
         self.trust.add(counts)
         adv_R = group.adv_G[i].to(device).expand_as(logp_R)
-        loss_R, st = per_token_objective(logp_R, old_R, adv_R, self.ctx.spec, ref_logp_T=ref_R)
+        # Off-policy (rollout.max_staleness > 0): the samples came from an older revision, so the PPO ratio is taken
+        # against the rollout's logprobs (the behaviour policy); on-policy the learner's own first pass is used.
+        behaviour_R = rollout_R if self.ctx.config.rollout.max_staleness else old_R
+        loss_R, st = per_token_objective(logp_R, behaviour_R, adv_R, self.ctx.spec, ref_logp_T=ref_R)
         contribution = self.weights_G[i].to(device) * (loss_R * mask_R).sum()
         kept = mask_R.bool()
         self.sums["loss"] += float(contribution.detach())
@@ -259,12 +290,30 @@ def longstraw_group_step(
     logp: list[torch.Tensor | None] = [None] * len(group.responses)
 
     def response_objective(i: int, logp_R: torch.Tensor, ref_R: torch.Tensor | None):
+        if i >= len(logp):  # an expert-parallel stand-in: its backward only keeps the EP group in step
+            return logp_R.sum() * 0.0, {}
         logp[i] = logp_R.detach()
         native = sequence.replay.native() if sequence is not None and sequence.replay is not None else None
         return objective.response_loss(i, logp_R, ref_R, old, native) * weight, {}
 
     def backward(loss: torch.Tensor, final: bool, carries_scale: bool = False) -> None:
         ctx.backward(loss, boundary=last and final, carries_scale=carries_scale)
+
+    adapter = None
+    if ctx.cp_group is not None:  # context parallel: this rank keeps its pages of the prompt only
+        adapter = cp_adapter_for(ctx.engine.module, ctx.cp_group)
+    responses = [r.to(ctx.device) for r in group.responses]
+    if ctx.lockstep is not None:
+        # Expert parallel: every rank of the EP group replays as many responses (one-token stand-ins that weigh
+        # nothing), and the lockstep adapter pads the chunked phases (docs/sharding.md, "Lockstep").
+        adapter = LockstepAdapter(adapter or adapter_for(ctx.engine.module), ctx.lockstep)
+        extra = pad_responses(ctx.lockstep, responses)
+        responses += [responses[0][:1]] * extra
+        if sequence is not None and extra:
+            # A stand-in is response 0's first position again, so it replays that position's route (R3 keeps
+            # every token on its recorded experts).
+            routes_R_L_K, ok_R = sequence.responses[0]
+            sequence.responses.extend([(routes_R_L_K[:1], ok_R[:1])] * extra)
 
     ls = ctx.config.longstraw
     spec = UpdateSpec(
@@ -284,9 +333,10 @@ def longstraw_group_step(
     grpo_update(
         model,
         group.prompt_tokens_P.to(ctx.device),
-        [r.to(ctx.device) for r in group.responses],
+        responses,
         response_objective,
         spec,
+        adapter=adapter,
         capture=capture,
         backward=backward,
         routes=sequence,

@@ -5,6 +5,19 @@ step (`mint.train.inner_step`: the naive padded step or LongStraw), which scores
 reduces gradients across ranks on the last micro-step and steps. Every rank runs the same number of micro-steps (the
 driver pads with zero-weight copies), because ZeRO-3 gathers parameters collectively inside forward and a rank that
 skipped one would hang the others.
+
+Expert parallel (`learner.expert_parallel` = EP > 1, docs/sharding.md): ranks [k·EP, (k+1)·EP) form EP group k and
+split the routed experts (each loads only its own from the checkpoint); the EP groups are data-parallel replicas of
+each other. DeepSpeed learns of it the way its own MoE layers declare themselves: the expert parameters carry
+`allreduce = False` and the EP group's name, the expert LoRA sits in a `moe` parameter group, and a parameter-less
+`MoE` subclass in the model turns on DeepSpeed's expert handling. So ZeRO-1 reduces the expert LoRA gradients over
+the replicas of the same experts only (sum / N, as the replicated ones are averaged over all N ranks), partitions
+their optimizer state over those replicas, counts every expert once in the clipping norm, and broadcasts each
+expert's initial weights within its replicas only.
+
+Context parallel (`longstraw.context_parallel` = C > 1, `mint.train.context_parallel`): CP groups of C ranks
+run the same groups and split each captured prompt's pages; each rank weighs its loss by N / C, since every CP rank
+holds its replica's whole gradient.
 """
 
 from __future__ import annotations
@@ -119,14 +132,21 @@ class LearnerActor:
 
         config = self.config
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.use_cuda else torch.device("cpu")
-        model = add_lora(load_model(self.model_path, config.model.dtype), config.lora, config.grpo.seed)
+        model_config = AutoConfig.from_pretrained(self.model_path)
+        self.ep_group = None
+        if config.learner.expert_parallel > 1:
+            model, param_groups = self._load_expert_parallel(model_config)
+        else:
+            model = add_lora(load_model(self.model_path, config.model.dtype), config.lora, config.grpo.seed)
+            param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         if init_lora is not None:
             from mint.hub import from_bytes
+            from mint.models.expert_parallel import load_full_lora_state
             from mint.models.lora import load_lora_state
 
-            load_lora_state(model, from_bytes(init_lora))
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=config.learner.lr, weight_decay=config.learner.weight_decay)
+            load = load_full_lora_state if self.ep_group is not None else load_lora_state
+            load(model, from_bytes(init_lora))
+        optimizer = torch.optim.AdamW(param_groups, lr=config.learner.lr, weight_decay=config.learner.weight_decay)
         schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(config))  # bound to DeepSpeed's
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=schedule, config=_deepspeed_config(config)
@@ -134,14 +154,66 @@ class LearnerActor:
         self._deepspeed = deepspeed
         from mint.models.specs import tokenizer_size, usable_vocab
 
-        model_config = AutoConfig.from_pretrained(self.model_path)
         limit = usable_vocab(tokenizer_size(self.model_path), model_config)
-        self.ctx = StepContext(
-            self.engine, config, loss_spec(config), moe_layout(model_config), self.device, self.world_size
-        )
+        layout = moe_layout(model_config)
+        self.ctx = StepContext(self.engine, config, loss_spec(config), layout, self.device, self.world_size)
         self.ctx.vocab_limit = limit
+        if config.longstraw.context_parallel > 1:
+            from mint.train.context_parallel import new_cp_group
+
+            self.ctx.context_parallel = config.longstraw.context_parallel
+            self.ctx.cp_group = new_cp_group(
+                self.rank, self.world_size, self.ctx.context_parallel, config.learner.expert_parallel
+            )
+        if self.ep_group is not None:
+            from longstraw.expert_parallel import Lockstep
+            from mint.models.expert_parallel import experts_by_layer
+
+            self.ctx.lockstep = Lockstep(self.ep_group, experts_by_layer(model), layout.top_k)
         self.steps_done = 0
         return self.rank
+
+    def _load_expert_parallel(self, model_config) -> tuple[torch.nn.Module, list[dict]]:
+        """Build the EP groups (DeepSpeed's, so its reduction and our dispatch share them), load this rank's experts
+        only, and mark the expert parameters for DeepSpeed. Returns the model and the optimizer's parameter groups."""
+        from deepspeed.utils import groups
+
+        from mint.errors import ConfigError
+        from mint.models.expert_parallel import experts_by_layer, load_expert_parallel
+        from mint.models.specs import moe_layout
+
+        config, ep = self.config, self.config.learner.expert_parallel
+        layout = moe_layout(model_config)
+        if layout is None or layout.num_experts % ep:
+            what = f"{layout.num_experts} routed experts" if layout else "no routed experts"
+            raise ConfigError(f"learner.expert_parallel: {ep} does not divide the base's experts ({what}); use 1")
+        if config.learner.engine == "longstraw" and config.longstraw.mode == "resident":
+            raise ConfigError(
+                "learner.expert_parallel: resident mode is not supported with expert parallel (each rank's kept "
+                "captures differ, so their MoE calls would not pair up); use longstraw.mode = exact or detached"
+            )
+        name = f"ep_size_{ep}"
+        if name not in groups._get_expert_parallel_group_dict():
+            groups._create_expert_and_data_parallel(ep)  # EP groups: consecutive ranks; replicas: strided
+        self.ep_group = groups._get_expert_parallel_group(name)
+        model, _ = load_expert_parallel(
+            self.model_path, self.ep_group, config.lora, config.grpo.seed, config.model.dtype
+        )
+        experts = [p for _, module in experts_by_layer(model) for p in module.parameters()]
+        for p in experts:
+            p.allreduce, p.group_name = False, name  # DeepSpeed's mark of an expert parameter
+        expert_ids = {id(p) for p in experts}
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        param_groups = [{"params": [p for p in trainable if id(p) not in expert_ids]}]
+        expert_lora = [p for p in trainable if id(p) in expert_ids]
+        if expert_lora:
+            param_groups.append({"params": expert_lora, "moe": True, "name": name})
+            model.add_module("mint_expert_parallel", _declaration(ep, layout.num_experts, name))
+        return model, param_groups
+
+    def parallel_layout(self) -> tuple[int, int]:
+        """(longstraw.context_parallel, learner.expert_parallel): how the driver's plans map to ranks."""
+        return self.config.longstraw.context_parallel, self.config.learner.expert_parallel
 
     # ---- one optimizer step --------------------------------------------------------------------------------------
 
@@ -166,6 +238,7 @@ class LearnerActor:
                     trust.add(stats.pop("trust"))
                     for k, v in stats.items():
                         sums[k] += v
+            self.ctx.end_accumulation()
             if self.faults.nan_gradient_at(plan.step):
                 self._poison_gradients()
             self._step_unless_non_finite(sums)
@@ -234,7 +307,6 @@ class LearnerActor:
         `revision`, the id the driver recorded with it; returns that id."""
         from mint.errors import MintError
         from mint.hub import revision_id
-        from mint.models.lora import lora_state
 
         path, _ = self.engine.load_checkpoint(
             os.path.join(directory, "deepspeed"),
@@ -245,16 +317,32 @@ class LearnerActor:
         )
         if path is None:
             raise MintError(f"checkpoint {directory}: DeepSpeed found no state to load")
+        if self.ep_group is not None:
+            self._weights_from_master()
         rng = torch.load(os.path.join(directory, "rng", f"rank_{self.rank}.pt"), weights_only=True)
         torch.set_rng_state(rng["torch"])
         if self.use_cuda and "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"], self.device)
-        model = self.engine.module
-        with self._gathered(p for p in model.parameters() if p.requires_grad):
-            got = revision_id(lora_state(model))
+        state = self._full_lora_state()
+        if not state:  # expert parallel: the first rank of each EP group checks its group's experts
+            return revision
+        got = revision_id(state)
         if got != revision:
             raise MintError(f"checkpoint {directory}: restored LoRA hashes to {got[:12]}, not {revision[:12]}")
         return got
+
+    def _weights_from_master(self) -> None:
+        """Expert parallel: set every LoRA weight from the optimizer's restored fp32 master (collective).
+
+        DeepSpeed's model-state file is written by rank 0 alone, so loading it gives every rank rank 0's expert
+        LoRA (same names, same shapes, other experts); ZeRO-1 restores each rank's own master partition but only
+        refreshes the weights from it at the next step. Measured before this: the restored adapter hashed wrong."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        with torch.no_grad():
+            for p in self.engine.module.parameters():
+                if p.requires_grad:
+                    p.copy_(safe_get_full_fp32_param(p).to(p.dtype))
 
     # ---- state out -----------------------------------------------------------------------------------------------
 
@@ -264,15 +352,26 @@ class LearnerActor:
             list(params), modifier_rank=None, enabled=self.config.learner.zero_stage == 3
         )
 
-    def lora_state_bytes(self) -> bytes | None:
-        """The adapter as safetensors bytes, on rank 0 (collective under ZeRO-3: every rank must call it)."""
-        from mint.hub import to_bytes
+    def _full_lora_state(self) -> dict[str, torch.Tensor]:
+        """The whole adapter, every expert, as `lora_state` of an unsharded model gives it. Collective under ZeRO-3
+        and under expert parallel, where each EP group gathers its experts' LoRA to its first rank
+        (`gather_expert_lora`) and the other ranks get {}."""
+        from mint.models.expert_parallel import gather_expert_lora
         from mint.models.lora import lora_state
 
         model = self.engine.module
+        if self.ep_group is not None:
+            return gather_expert_lora(model, self.ep_group)
         with self._gathered(p for p in model.parameters() if p.requires_grad):
-            state = lora_state(model) if self.rank == 0 else None
-        return to_bytes(state) if state is not None else None
+            return lora_state(model)
+
+    def lora_state_bytes(self) -> bytes | None:
+        """The adapter as safetensors bytes, on rank 0 (collective under ZeRO-3 and expert parallel: every rank must
+        call it). Under expert parallel it holds every expert, with the names and shapes of the unsharded one."""
+        from mint.hub import to_bytes
+
+        state = self._full_lora_state()
+        return to_bytes(state) if self.rank == 0 else None
 
     def adapter_config(self, base_path: str) -> dict:
         from mint.models.lora import adapter_config_dict
@@ -290,3 +389,26 @@ class LearnerActor:
             base = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
             lora = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
             return {"base": revision_id(base), "lora": revision_id(lora)}
+
+
+def _declaration(ep: int, num_experts: int, name: str) -> torch.nn.Module:
+    """A parameter-less DeepSpeed `MoE` that tells the engine the model has expert-parallel parameters (group
+    `name`); DeepSpeed recognizes expert parallelism by that type. It holds no experts and never runs."""
+    from deepspeed.moe.layer import MoE
+
+    class ExpertParallelDeclaration(MoE):
+        def __init__(self):
+            torch.nn.Module.__init__(self)  # not MoE's: no gate, no experts
+            self.ep_size, self.num_experts, self.expert_group_name = ep, num_experts, name
+            # 0: DeepSpeed's checkpoints write (and look for) no per-expert weight files for it. The frozen experts
+            # are reloaded from the base; the expert LoRA is restored from each rank's ZeRO optimizer partition
+            # (its fp32 master weights), and load_checkpoint checks the gathered adapter's hash.
+            self.num_local_experts = 0
+
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+            pass  # the groups exist already (LearnerActor._load_expert_parallel)
+
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("ExpertParallelDeclaration only declares expert parallel to DeepSpeed; it never runs")
+
+    return ExpertParallelDeclaration()
