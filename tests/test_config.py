@@ -231,3 +231,37 @@ def test_plain_logging_names_pass(name):
 def test_logging_root_must_not_be_empty(root):
     with pytest.raises(ConfigError, match=r"^logging.root: is empty"):
         build_config({"logging": {"root": root}})
+
+
+def test_a_recipe_builds_on_another_key_by_key(tmp_path):
+    """Issue 14: `base = "other.toml"` loads the other recipe first (recursively, relative to the recipe's folder);
+    the recipe's keys override it one by one, sections it does not name are inherited whole, overrides come last."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "root.toml").write_text("[grpo]\nsteps = 7\nseed = 3\n[rollout]\ngroup_size = 4\n")
+    (tmp_path / "sub/mid.toml").write_text('base = "../root.toml"\n[grpo]\nsteps = 9\n[logging]\nname = "mid"\n')
+    (tmp_path / "leaf.toml").write_text('base = "sub/mid.toml"\n[grpo]\nseed = 5\n')
+    config = load_config(tmp_path / "leaf.toml", ["rollout.group_size=6"])
+    assert (config.grpo.steps, config.grpo.seed, config.logging.name) == (9, 5, "mid")
+    assert config.rollout.group_size == 6 and config.rollout.max_tokens == Config().rollout.max_tokens
+
+    arith, smoke = load_config(ROOT / "recipes/arithmetic_cpu.toml"), load_config(ROOT / "recipes/smoke.toml")
+    assert arith.lora == smoke.lora and arith.model == smoke.model and arith.rollout == smoke.rollout
+    assert (arith.learner.num_ranks, smoke.learner.num_ranks, arith.data.reward) == (1, 2, "math_verify")
+
+
+@pytest.mark.parametrize(
+    "files, match",
+    [
+        ({"a.toml": 'base = "b.toml"\n[grpo]\nsteps = 1\n', "b.toml": 'base = "a.toml"\n'}, "includes itself"),
+        ({"a.toml": 'base = "a.toml"\n'}, "includes itself"),
+        ({"a.toml": 'base = "missing.toml"\n'}, "missing.toml: recipe not found"),
+        ({"a.toml": "base = 3\n"}, "base: expected the path of another recipe"),
+        ({"a.toml": 'base = "b.toml"\n[grpo]\nstepz = 1\n', "b.toml": "[grpo]\nsteps = 2\n"}, "grpo.stepz: unknown"),
+    ],
+)
+def test_bad_base_chains_fail_with_one_line(tmp_path, files, match):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=match) as err:
+        load_config(tmp_path / "a.toml")
+    assert "\n" not in str(err.value)

@@ -102,7 +102,7 @@ CASES = [
         "stop_string_of_several_tokens",
         ("rollout.stop_tokens=['</answer>']",),
         "rollout.stop_tokens",
-        "'</answer>' is 6 tokens for this tokenizer, not one",
+        "'</answer>' is 8 tokens for this tokenizer, not one",
         needs_tokenizer=True,
     ),
     Case(

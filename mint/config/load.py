@@ -136,10 +136,40 @@ def check_consistency(config: Config) -> None:
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
-    """Load a TOML recipe (a UTF-8 file with at least one table) and apply `section.key=value` overrides."""
-    path = Path(path)
+    """Load a TOML recipe (a UTF-8 file with at least one table) and apply `section.key=value` overrides.
+
+    A recipe may build on another: a top-level `base = "other.toml"` (relative to the recipe's folder) is loaded
+    first, recursively, and the recipe's keys override it key by key within each section; then the overrides apply.
+    The run's config.json holds the resolved result.
+    """
+    return build_config(_resolved_tree(Path(path), ()), overrides)
+
+
+def _resolved_tree(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    """The recipe at `path` merged over its `base` chain (`chain`: the recipes that asked for it, for cycles)."""
+    tree = _read_recipe(path)
+    base = tree.pop("base", None)
+    if base is None:
+        if not tree:
+            raise ConfigError(f"{path}: the recipe is empty (no [section] table); start from recipes/smoke.toml")
+        return tree
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"{path}: base: expected the path of another recipe, got {base!r}")
+    base_path = (path.parent / base).resolve()
+    if base_path in chain or base_path == path.resolve():
+        raise ConfigError(f"{path}: base: {base} includes itself (a cycle through {base_path.name})")
+    merged = _resolved_tree(base_path, (*chain, path.resolve()))
+    for section, values in tree.items():
+        if isinstance(values, dict) and isinstance(merged.get(section), dict):
+            merged[section] = {**merged[section], **values}
+        else:
+            merged[section] = values  # build_config names what is wrong with a non-table
+    return merged
+
+
+def _read_recipe(path: Path) -> dict[str, Any]:
     try:
-        tree = tomllib.loads(path.read_bytes().decode("utf-8"))
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: recipe not found") from None
     except UnicodeDecodeError:
@@ -148,9 +178,6 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         raise ConfigError(f"{path}: cannot read the recipe ({e.strerror}); give a TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
-    if not tree:
-        raise ConfigError(f"{path}: the recipe is empty (no [section] table); start from recipes/smoke.toml")
-    return build_config(tree, overrides)
 
 
 def run_dir(config: Config) -> Path:

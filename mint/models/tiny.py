@@ -2,24 +2,31 @@
 brief pretrain.
 
 RL post-training starts from a pretrained base, and a frozen *random* tiny MoE barely learns the synthetic task by
-GRPO with LoRA. So `build_tiny` first trains the full model, supervised, on chat-formatted `first_last` examples to a
-*partial* skill: its answer distribution is the optimum of cross-entropy against noisy labels, where the target is the
-correct digit with probability q (`label_accuracy`) and a uniform random digit otherwise:
+GRPO with LoRA. So `build_tiny` first trains the full model, supervised, on chat-formatted examples of the built-in
+tasks (`first_last` and `arithmetic`, half each) to a *partial* skill: its answer distribution is the optimum of
+cross-entropy against noisy labels, where the target is the correct digit with probability q (`label_accuracy`) and a
+uniform random digit otherwise:
 
     p(correct) = q + (1 - q) / 10,    p(each wrong digit) = (1 - q) / 10.
 
-With q = 0.2 the correct digit is the mode (0.28 against 0.08 each), so greedy decoding is right while sampling at T=1
-is right about 28% of the time: a base that "knows but is unreliable", which RL can sharpen.
+With q = 0.3 the correct digit is the mode (0.37 against 0.07 each), so greedy decoding is right while sampling at T=1
+is right about a third of the time: a base that "knows but is unreliable", which RL can sharpen. (The build stops
+short of that optimum: measured p(correct) is 0.25-0.28, see TinyRecipe.)
 
 Two phases, because plain noisy labels are too slow (measured on qwen3_moe, 1 CPU thread, batch 64): after 600 steps
 (41 s) greedy accuracy was 0.55 and p(correct) 0.18, short of both the skill and the calibration. The expected
 noisy-label loss alone got there but needed 400 steps (23-25 s per family), and at 300 steps greedy was still 0.74-0.79.
 
-1. Skill: clean labels until the running loss falls below `skill_loss` (145-225 steps of batch 32, 5-8 s).
+1. Skill: clean labels until the running loss falls below `skill_loss` (first_last alone: 145-225 steps of batch 32,
+   5-8 s; with arithmetic in the mix: 591 steps on qwen3_moe, 974 on qwen2_moe).
 2. Calibrate: `calibrate_steps` steps on the *expected* noisy-label loss: the answer position's target is the
    distribution above rather than one sampled digit. Same optimum, no label noise in the gradient. The digit fed back
    as input before `<|im_end|>` is still sampled noisily, so the model learns to stop after any digit. The readout
    (final norm and lm_head) is frozen in this phase; see `_pretrain` for the measured reason.
+
+Why arithmetic is in the mix: recipes/arithmetic_cpu.toml trains on held-out arithmetic problems, and RL needs a base
+with a partial skill there too. All 990 arithmetic problems occur in pretraining (with noisy labels); what the recipe
+holds out is problems from GRPO, not from the base.
 
 Loss covers only the answer token and `<|im_end|>`. Nothing here downloads anything. Builds are deterministic given
 the seed and cached under `$MINT_CACHE/tiny/` (default `~/.cache/mint/tiny/`) in a folder keyed by a hash of the
@@ -53,7 +60,7 @@ log = logging.getLogger(__name__)
 
 # Bump when anything that changes a build's bytes changes (tokenizer corpus, training loop, saved files): the cache
 # key includes it, so a stale cached base is never reused.
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 
 ENDOFTEXT = "<|endoftext|>"  # pad
 IM_START = "<|im_start|>"
@@ -74,7 +81,7 @@ CHAT_TEMPLATE = (
 )
 
 VOCAB_SIZE = 384
-TASK = "first_last"
+TASKS = ("first_last", "arithmetic")  # the pretraining mix: each example from one, uniformly
 MANIFEST = "mint_tiny.json"
 # A cache entry is valid only when all of these exist; the manifest is written last.
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MANIFEST)
@@ -94,8 +101,8 @@ _GENERIC_TEXT = (
 def _corpus() -> Iterator[str]:
     """Tokenizer training text: chat-formatted task examples plus generic words, arithmetic and a system turn."""
     rng = random.Random("mint-tiny-tokenizer")
-    task = get_task(TASK)
-    for _ in range(2000):
+    task = _Mix()
+    for _ in range(4000):
         ex = task.sample(rng)
         yield f"{IM_START}user\n{ex.prompt}{IM_END}\n{IM_START}assistant\n{ex.answer}{IM_END}\n"
     words = " ".join(_GENERIC_TEXT).split()
@@ -145,13 +152,16 @@ class TinyRecipe:
 
     family: str  # one of TINY_FAMILIES
     seed: int = 0  # seeds the init, the training stream, and the held-out evaluation
-    # q: probability that a noisy target is the correct digit, so p(correct) = q + (1 - q)/10 = 0.28. At q = 0.3 the
-    # smoke run started at 0.37 and its first-10% window sat too close to the ceiling to show the lift.
-    label_accuracy: float = 0.2
-    steps: int = 600  # cap on skill-phase steps; seeds 0-2 stop at 145-225 (Qwen families), 142-330 (glm4_moe)
-    # Steps on the expected noisy-label loss, lr decaying linearly to 0. Measured (qwen3_moe, seed 0): 100 steps left
-    # p(correct) at 0.32, 200 reach 0.37, the optimum.
-    calibrate_steps: int = 200
+    # q: probability that a noisy target is the correct digit, so p(correct) = q + (1 - q)/10 = 0.37 at the optimum.
+    # With two tasks sharing the body, calibration ends below it: measured p(correct) on first_last 0.28 (qwen3_moe)
+    # and 0.25 (qwen2_moe), greedy still right 0.95 / 0.94 of the time. At q = 0.2 (the first_last-only build's
+    # value) the mix ended at 0.17 / 0.14 with greedy 0.78 / 0.56: too blurred to keep the skill.
+    label_accuracy: float = 0.3
+    steps: int = 1500  # cap on skill-phase steps; seed 0 stops at 591 (qwen3_moe), 974 (qwen2_moe)
+    # Steps on the expected noisy-label loss, lr decaying linearly from calibrate_lr to 0. At the skill phase's
+    # lr (3e-3, 200 steps) the mix lost its greedy skill (first_last 0.78 on qwen3_moe); at 1e-3 and 300 steps, 0.89.
+    calibrate_steps: int = 300
+    calibrate_lr: float = 1e-3
     skill_loss: float = 0.1  # skill phase ends when the loss EMA (decay 0.9) falls below this
     batch_size: int = 32  # examples per step, both phases
     lr: float = 3e-3  # 5e-3 stalled qwen2_moe for 2 of 3 seeds within 400 steps
@@ -214,10 +224,22 @@ def _answer_loss(
     return (answer_ce_B + end_ce_B).mean() / 2
 
 
-def heldout_examples(n: int, seed: int = 0, exclude: set[str] | frozenset[str] = frozenset()) -> list[Example]:
-    """n task examples from a stream independent of pretraining's, skipping prompts in `exclude`."""
-    rng = random.Random(f"mint-tiny-eval-{seed}")
-    task = get_task(TASK)
+class _Mix:
+    """The pretraining stream: each example from one of TASKS, chosen uniformly."""
+
+    def __init__(self):
+        self.tasks = [get_task(name) for name in TASKS]
+
+    def sample(self, rng: random.Random) -> Example:
+        return self.tasks[rng.randrange(len(self.tasks))].sample(rng)
+
+
+def heldout_examples(
+    n: int, seed: int = 0, exclude: set[str] | frozenset[str] = frozenset(), task: str = TASKS[0]
+) -> list[Example]:
+    """n examples of `task` from a stream independent of pretraining's, skipping prompts in `exclude`."""
+    rng = random.Random(f"mint-tiny-eval-{seed}-{task}")
+    task = get_task(task)
     out: list[Example] = []
     while len(out) < n:
         ex = task.sample(rng)
@@ -268,7 +290,7 @@ def answer_accuracy(
 def _pretrain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, recipe: TinyRecipe) -> dict:
     """Skill phase, then calibration phase (module docstring). Returns the training facts for the manifest."""
     rng = random.Random(f"mint-tiny-train-{recipe.seed}")
-    task = get_task(TASK)
+    task = _Mix()
     seen: set[str] = set()
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
     model.train()
@@ -305,7 +327,7 @@ def _pretrain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, recipe
     for p in [*model.get_output_embeddings().parameters(), *model.model.norm.parameters()]:
         p.requires_grad_(False)
     for i in range(recipe.calibrate_steps):
-        loss = step(recipe.label_accuracy, recipe.lr * (1.0 - i / recipe.calibrate_steps))
+        loss = step(recipe.label_accuracy, recipe.calibrate_lr * (1.0 - i / recipe.calibrate_steps))
     return {
         "pretrain_seconds": round(time.perf_counter() - start, 3),
         "skill_steps": skill_steps,
@@ -328,7 +350,8 @@ def build_tiny(
     """Build, pretrain and save a tiny base of `family` into `directory` (created if needed); return `directory`.
 
     Saves the model (safetensors, eos = <|im_end|>, pad = <|endoftext|>), the tokenizer with its chat template, and
-    `mint_tiny.json`: the recipe, measured pretraining seconds, and accuracies on `eval_examples` held-out prompts.
+    `mint_tiny.json`: the recipe, measured pretraining seconds, and accuracies on `eval_examples` held-out prompts of
+    each task (`accuracy_by_task`; `accuracy` is first_last's).
     """
     if family not in TINY_FAMILIES:
         raise ConfigError(f"model.path: unknown tiny family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
@@ -349,8 +372,17 @@ def build_tiny(
         model = AutoModelForCausalLM.from_config(config)
         facts = _pretrain(model, tokenizer, recipe)
         model.eval()
-        heldout = heldout_examples(eval_examples, seed, exclude=facts.pop("seen_prompts"))
-        accuracy = answer_accuracy(model, tokenizer, heldout, seed=seed)
+        seen = facts.pop("seen_prompts")
+        accuracy = {
+            # arithmetic has 990 problems and pretraining draws each several times: nothing is unseen there.
+            name: answer_accuracy(
+                model,
+                tokenizer,
+                heldout_examples(eval_examples, seed, seen if name == "first_last" else set(), name),
+                seed=seed,
+            )
+            for name in TASKS
+        }
     model.generation_config.eos_token_id = im_end
     model.generation_config.pad_token_id = pad
     os.makedirs(directory, exist_ok=True)
@@ -359,12 +391,13 @@ def build_tiny(
     manifest = {
         "version": BUILD_VERSION,
         "recipe": dataclasses.asdict(recipe),
-        "task": TASK,
+        "tasks": list(TASKS),
         "vocab_size": len(tokenizer),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         **facts,
         "heldout_examples": eval_examples,
-        "accuracy": {k: round(v, 4) for k, v in accuracy.items()},
+        "accuracy": {k: round(v, 4) for k, v in accuracy[TASKS[0]].items()},
+        "accuracy_by_task": {name: {k: round(v, 4) for k, v in acc.items()} for name, acc in accuracy.items()},
     }
     log.info("tiny %s built in %s: %s", family, directory, manifest)
     with open(os.path.join(directory, MANIFEST), "w") as f:  # last: its presence marks a complete build

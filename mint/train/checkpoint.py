@@ -5,7 +5,8 @@
                             format, frozen base excluded: `exclude_frozen_parameters`)
         rng/rank_R.pt       each learner rank's torch RNG states
         state.json          the step, the revision at that step, the data position, the driver's RNG states, the
-                            recipe's result digest, the run's counters and its reward curve so far
+                            recipe's result digest, the run's counters, its reward curve so far, and its first
+                            (before step 1) and latest held-out eval
 
 A checkpoint is written into `checkpoints/.step_NNNNNN.partial/`; once every rank's files and state.json are on disk
 (fsynced) the directory is renamed to `step_NNNNNN`. The rename is the commit: a directory without the suffix is
@@ -47,6 +48,8 @@ class RunState:
     skipped_steps: int = 0  # all skipped steps
     reward_errors: int = 0  # samples whose reward function raised, over the run
     restarts: int = 0  # learner-group restarts from a checkpoint, over the run
+    eval_first: dict[str, float] | None = None  # held-out metrics before step 1, for the summary of a resumed run
+    eval_last: dict[str, float] | None = None  # the latest held-out metrics
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
