@@ -119,3 +119,52 @@ def module_storages(model: torch.nn.Module) -> set[int]:
     """data_ptr of the storages of every parameter and buffer of `model`."""
     tensors = [*model.parameters(), *model.buffers()]
     return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+class TensorPeak:
+    """Peak bytes of tensors allocated inside `with` and live at once: the allocator's view, without the heap.
+
+    CUDA: max_memory_allocated after reset_peak_memory_stats, above memory_allocated at entry (what PeakMeter reads
+    there). CPU: the torch profiler's allocation log (profile_memory), replayed in time order; every allocation and
+    free inside the interval counts, so tensors that existed before it (weights) are not counted, and a free of one
+    of them lowers the running total. RSS (PeakMeter) also counts heap pages glibc keeps after a free, which on a
+    long prefix grows with the number of chunks run; this meter is the CPU counterpart of the GPU figure. The
+    profiler records every op, so use it in benchmarks, not in a training step.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.nbytes = 0
+        self._prof = None
+        self._baseline = 0
+
+    def __enter__(self) -> TensorPeak:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._baseline = torch.cuda.memory_allocated(self.device)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.nbytes = torch.cuda.max_memory_allocated(self.device) - self._baseline
+            return
+        from torch.profiler import DeviceType
+
+        self._prof.__exit__(*exc)
+        events = self._prof.profiler.kineto_results.events()
+        changes = sorted(
+            (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+        )
+        live = peak = 0
+        for _, n in changes:
+            live += n
+            peak = max(peak, live)
+        self.nbytes = peak
+        self._prof = None
