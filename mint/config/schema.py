@@ -97,6 +97,48 @@ class RolloutConfig:
     max_restarts: int = knob(
         3, "Times Ray restarts a dead rollout actor (it reloads the current revision and redoes its shard).", min=0
     )
+    max_staleness: int = knob(
+        0,
+        "Overlap: rollout of steps t+1..t+k runs while the learner trains on step t, so a sample is at most k "
+        "revisions old; the PPO ratio is then taken against the rollout's logprobs and IcePop masks the tokens that "
+        "drifted. 0: on-policy (rollout, then learn). The overlap drains at every checkpoint.every step "
+        "(docs/reliability.md).",
+        min=0,
+    )
+    backend: str = knob(
+        "builtin",
+        "Where responses are sampled: builtin (the exact in-process engine; CPU and CI), vllm (servers speaking "
+        "vLLM's OpenAI API: vLLM, or `mint serve`), sglang (SGLang's /generate). See docs/rollout.md.",
+        choices=("builtin", "vllm", "sglang"),
+    )
+    urls: list[str] = knob(
+        [],
+        "vllm/sglang: base URLs of engine servers that already run (http://host:port). Rollout actor j fronts "
+        "urls[j::num_actors]; one group's G samples go to one engine (its prefix cache).",
+    )
+    engine_timeout: float = knob(600.0, "vllm/sglang: seconds one engine request may take.", gt=0.0)
+    adapter_dir: str = knob(
+        "",
+        "vllm/sglang: where each rollout actor writes the adapter directory its engines load (a path on the "
+        "actor's node that the engine can read); empty: <run dir>/engine_adapters.",
+    )
+
+    def __post_init__(self):
+        from mint.errors import ConfigError
+
+        if self.backend != "builtin" and not self.urls:
+            raise ConfigError(
+                f"rollout.urls: rollout.backend = {self.backend} needs the engine servers' URLs "
+                '(rollout.urls = ["http://host:port"]); or use rollout.backend = builtin'
+            )
+        if self.backend != "builtin" and self.num_actors > len(self.urls):
+            raise ConfigError(
+                f"rollout.num_actors: {self.num_actors} actors for {len(self.urls)} engine(s); each actor fronts at "
+                "least one engine, so use rollout.num_actors <= len(rollout.urls)"
+            )
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"rollout.urls: {url!r} is not an http:// or https:// URL")
 
 
 @dataclass(frozen=True)
@@ -160,6 +202,30 @@ class LearnerConfig:
         "group).",
         choices=("longstraw", "naive"),
     )
+    expert_parallel: int = knob(
+        1,
+        "EP: ranks that split the routed experts among them (each holds E/EP experts and their LoRA; tokens travel "
+        "to their experts by all-to-all); it divides learner.num_ranks and the expert count, and the groups of EP "
+        "ranks are data-parallel replicas of each other. Needs learner.zero_stage = 1. See docs/sharding.md.",
+        min=1,
+    )
+
+    def __post_init__(self):
+        from mint.errors import ConfigError
+
+        ep = self.expert_parallel
+        if ep > 1 and self.num_ranks % ep:
+            raise ConfigError(
+                f"learner.expert_parallel: {ep} does not divide learner.num_ranks = {self.num_ranks}; "
+                "use a divisor of it (1 turns expert parallel off)"
+            )
+        if ep > 1 and self.zero_stage != 1:
+            # Stage 0 clips by the mean of the ranks' norms (each rank sees only its experts'); stage 3 partitions
+            # the base, which DeepSpeed refuses with expert-parallel parameters; stage 2 is untested with them.
+            raise ConfigError(
+                f"learner.expert_parallel: {ep} needs learner.zero_stage = 1 (got {self.zero_stage}): only ZeRO-1 "
+                "reduces and clips expert-parallel LoRA gradients correctly"
+            )
 
 
 @dataclass(frozen=True)
@@ -189,6 +255,14 @@ class LongStrawConfig:
         "is Triton on CUDA and their torch reference on CPU; on forces Triton, off the reference.",
         choices=("auto", "on", "off"),
     )
+    context_parallel: int = knob(
+        1,
+        "CP: learner ranks that split one prompt's captured K/V pages among them (each keeps ~1/CP of the prefix; "
+        "attention over it merges per-rank partials). The CP ranks of a group run the same prompt groups, which "
+        "leaves learner.num_ranks / CP data-parallel replicas. CP x learner.expert_parallel divides "
+        "learner.num_ranks; learner.engine = longstraw in exact or detached mode only. See docs/sharding.md.",
+        min=1,
+    )
 
 
 @dataclass(frozen=True)
@@ -200,7 +274,16 @@ class RayConfig:
     rollout_gpus: float = knob(0.0, "GPUs per rollout actor.", min=0.0)
     torch_threads: int = knob(1, "torch threads per actor; keep actors x threads <= cores.", min=1)
     placement: str = knob(
-        "PACK", "Placement-group strategy for the actors.", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+        "nodes",
+        "nodes: Mint's per-node layout (learner ranks fill nodes in order, parallel groups stay in a node, rollout "
+        "actors on their own nodes or GPUs; docs/multinode.md); PACK, SPREAD, STRICT_PACK, STRICT_SPREAD: one "
+        "bundle per actor, placed by Ray with that strategy.",
+        choices=("nodes", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    )
+    colocate: bool = knob(
+        False,
+        "Let rollout actors share nodes and GPUs with learner ranks (fractional GPUs, e.g. learner_gpus=0.5 "
+        "rollout_gpus=0.5); false keeps them on nodes or GPUs of their own.",
     )
 
 
@@ -241,21 +324,22 @@ class MintConfig:
         "empty means <run dir>/catalog.",
     )
     save_every: int = knob(
-        1,
+        10,
         "Also export the revision as a PEFT adapter directory in <run dir>/adapters every N steps "
-        "(the last step always).",
+        "(the last step always); retention (keep_last) runs at each export.",
         min=1,
     )
     keep_last: int = knob(
-        0,
+        10,
         "Retention: revisions of this run whose tensors stay in the catalog (the N latest, plus tagged and named "
-        "ones; entries and lineage always stay), and adapter directories kept in <run dir>/adapters. 0 keeps all.",
+        "ones; entries and lineage always stay), and adapter directories kept in <run dir>/adapters. 0 keeps all "
+        "(at 30B-A3B rank 32, 2.6 GB per step: docs/mint.md, Disk).",
         min=0,
     )
     rollout_records: str = knob(
-        "full",
+        "no_routes",
         "Rollout records kept per step in the catalog (tokens, logprobs, rewards, linked to the sampling revision): "
-        "full (with R3 routes), no_routes, or off.",
+        "no_routes, full (also the R3 routes: L x k bytes per token, 32x the rest at 30B-A3B), or off.",
         choices=("full", "no_routes", "off"),
     )
 
@@ -295,6 +379,27 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    def __post_init__(self):
+        from mint.errors import ConfigError
+
+        cp, ranks, ep = self.longstraw.context_parallel, self.learner.num_ranks, self.learner.expert_parallel
+        if cp == 1:
+            return
+        if ranks % (cp * ep):
+            with_ep = f" x learner.expert_parallel {ep} = {ep * cp}" if ep > 1 else ""
+            raise ConfigError(
+                f"longstraw.context_parallel: {cp}{with_ep} does not divide learner.num_ranks = {ranks}; "
+                "use a divisor of it (1 turns context parallel off)"
+            )
+        if self.learner.engine != "longstraw" or self.longstraw.mode == "resident":
+            what = f"learner.engine = {self.learner.engine}"
+            if self.learner.engine == "longstraw":
+                what = "longstraw.mode = resident"
+            raise ConfigError(
+                f"longstraw.context_parallel: {cp} needs learner.engine = longstraw in exact or detached mode "
+                f"(got {what})"
+            )
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
@@ -315,6 +420,8 @@ class Config:
                 tree.pop(section, None)
             else:
                 tree[section].pop(name, None)
+        if self.rollout.max_staleness:  # the overlap drains at checkpoint steps: they decide which revision samples
+            tree["checkpoint"] = {"every": self.checkpoint.every}
         return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
 
 
@@ -328,6 +435,10 @@ RESULT_NEUTRAL = (
     "mint.keep_last",
     "ray.address",
     "ray.placement",
+    "ray.colocate",
+    "rollout.urls",  # where the engines run, not what they compute
+    "rollout.engine_timeout",
+    "rollout.adapter_dir",
 )
 
 

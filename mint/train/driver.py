@@ -6,6 +6,9 @@
                  -> rollout actors hot-load it -> log -> every checkpoint.every steps, a checkpoint
     -> final checkpoint and summary
 
+With rollout.max_staleness = k >= 1 the rollouts of the next k steps are already queued on the rollout actors while
+the learner trains, and the hot-load queues behind them (mint.train.pipeline); with k = 0 each step waits for both.
+
 What survives what (docs/reliability.md): a dead rollout actor is restarted by Ray and redoes its shard; a dead
 learner rank restarts the actors from the latest checkpoint (checkpoint.max_restarts times); a killed driver resumes
 with `mint train RECIPE --resume`; Ctrl-C finishes the step in flight, checkpoints, and exits 130 (twice: at once).
@@ -26,13 +29,23 @@ import ray
 from mint.config import Config, run_dir
 from mint.errors import ConfigError, MintError
 from mint.hub import Catalog, catalog_dir
-from mint.models.tiny import resolve_model_path
 from mint.rl.data import load_dataset
 from mint.train import checkpoint
 from mint.train.checkpoint import RunState
-from mint.train.cluster import Cluster, LearnerDied, gather, load_revision, rollout, start_cluster, start_ray
+from mint.train.cluster import (
+    ACTOR_GONE,
+    Cluster,
+    LearnerDied,
+    NodeLost,
+    gather,
+    load_revision,
+    start_cluster,
+    start_ray,
+)
 from mint.train.evaluation import eval_examples, evaluate, sample_rows
 from mint.train.metrics import RunLogger
+from mint.train.nodes import check_run_paths, driver_model_path
+from mint.train.pipeline import RolloutPipeline
 from mint.train.preflight import Preflight, preflight
 from mint.train.step import Revision, learn, learner_revision, make_batches, publish, save_revision
 
@@ -74,8 +87,6 @@ class Run:
     started_ray: bool
     interrupt: Interrupt
     t_start: float
-    eval_first: dict | None = None  # held-out metrics before the first step
-    eval_last: dict | None = None
 
 
 def train(config: Config, resume: bool = False, checked: Preflight | None = None) -> dict:
@@ -84,27 +95,32 @@ def train(config: Config, resume: bool = False, checked: Preflight | None = None
     t_start = time.time()
     if checked is None:
         preflight(config)  # every check that needs the recipe's inputs, before anything is written or started
-    model_path = resolve_model_path(config.model.path)
+    check_run_paths(config)  # no run dir in Ray's temporary job copy, no catalog on NFS (mint.train.nodes)
+    model_path = driver_model_path(config.model.path)  # a tiny base built here, shipped to the nodes later
     out = open_run_dir(config, resume)
     init_lora = warm_start(config) if not resume else None
     started = False
+    # A run that joined a cluster (ray.address) leaves it too: Ray's error listener would otherwise print the
+    # cluster's late warnings (a lost node's retried calls) to stdout after the summary line.
+    joined = not ray.is_initialized() and bool(config.ray.address)
     with Interrupt() as interrupt:
         try:
             started = start_ray(config)
             run = Run(config, out, model_path, init_lora, started, interrupt, t_start)
             return _with_restarts(run)
         finally:
-            if started and ray.is_initialized():
+            if (started or joined) and ray.is_initialized():
                 ray.shutdown()  # the processes this run started go with it: normal end, error or Ctrl-C
 
 
 def _with_restarts(run: Run) -> dict:
-    """Sessions of actors; a dead learner rank ends one, and the next starts from the latest checkpoint."""
+    """Sessions of actors; a dead learner rank or a lost node ends one, and the next starts from the latest
+    checkpoint (on the nodes that are left: the layout is planned again)."""
     restarts = 0
     while True:
         try:
             return _session(run, restarts)
-        except LearnerDied as err:
+        except (LearnerDied, NodeLost) as err:
             latest = checkpoint.latest(run.out)
             where = f"the checkpoint {latest}" if latest else "the start (no checkpoint yet)"
             if restarts >= run.config.checkpoint.max_restarts:
@@ -125,7 +141,7 @@ def _session(run: Run, restarts: int) -> dict:
     state = checkpoint.read(latest, config.result_digest()) if latest else RunState()
     state.restarts = max(state.restarts, restarts)
     checkpoint.truncate_metrics(out, state.step)
-    cluster = start_cluster(config, run.model_path, run.started_ray, None if latest else run.init_lora)
+    cluster = start_cluster(config, run.model_path, run.started_ray, None if latest else run.init_lora, out)
     store = Catalog(catalog_dir(config))
     logger = RunLogger(config, out, initial=state.step)
     try:
@@ -144,6 +160,10 @@ def _session(run: Run, restarts: int) -> dict:
         if state.step and (latest is None or state.step > int(latest.name.removeprefix("step_"))):
             save_checkpoint(cluster, out, state, config)
         final_digests = gather([lr.param_digests.remote() for lr in cluster.learners], cluster, "digests")
+    except (MintError, *ACTOR_GONE) as err:
+        if cluster.lost and not isinstance(err, NodeLost):  # what broke is a symptom of the node that left
+            raise NodeLost(cluster.lost) from err
+        raise
     except KeyboardInterrupt:  # a second Ctrl-C: no checkpoint of the step in flight, but a summary of the run
         summary = summarize(state.rewards, state.revision or "", time.time() - run.t_start)
         summary.update(run_dir=str(out), checkpoint=str(checkpoint.latest(out) or ""), interrupted=True)
@@ -164,49 +184,56 @@ def _session(run: Run, restarts: int) -> dict:
         reward_errors=state.reward_errors,
         restarts=state.restarts,
         interrupted=run.interrupt.requested and state.step < config.grpo.steps,
-        **({f"{k}_first": v for k, v in run.eval_first.items()} if run.eval_first else {}),
-        **({f"{k}_last": v for k, v in run.eval_last.items()} if run.eval_last else {}),
+        **({f"{k}_first": v for k, v in state.eval_first.items()} if state.eval_first else {}),
+        **({f"{k}_last": v for k, v in state.eval_last.items()} if state.eval_last else {}),
     )
     _write_json(out / "summary.json", summary)
     return summary
 
 
 def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapter_config, state: RunState, rev):
-    """The training loop from state.step + 1 to grpo.steps; returns the latest revision."""
+    """The training loop from state.step + 1 to grpo.steps; returns the latest revision. With rollout.max_staleness
+    = k, the rollouts of the next k steps run while the learner trains (mint.train.pipeline)."""
     config, out = run.config, run.out
     dataset = load_dataset(config.data.source, config.data.prompt_key, config.data.answer_key)
     stream = dataset.batches(config.rollout.prompts_per_step, config.grpo.seed, start=state.step)
-    data_ref = ray.put(rev.data)
     held_out = eval_examples(config)
-    if held_out and state.step == 0:
-        run.eval_first = evaluate(cluster, held_out, config, 0, rev.id)
-        logger.note(f"mint: eval before training: {_fmt(run.eval_first)}")
+    if held_out and state.step == 0:  # a resumed run keeps the first eval its checkpoint holds (issue 14)
+        state.eval_first = evaluate(cluster, held_out, config, 0, rev.id)
+        logger.note(f"mint: eval before training: {_fmt(state.eval_first)}")
+    pipe = RolloutPipeline(cluster, config, stream, rev.id, ray.put(rev.data), state.step)
     while state.step < config.grpo.steps and not run.interrupt.requested:
         step = state.step + 1
         t0 = time.time()
-        results = rollout(cluster, next(stream), config.grpo.seed + step, rev.id, data_ref)
-        t_rollout = time.time() - t0
+        results = pipe.samples(step)
+        times = dict(rollout_s=time.time() - t0)
+        staleness = pipe.staleness(results)  # against the revision the learner holds now, before this step's update
         _check_rewards(config, step, results, state, logger)
         batches, rewards_B_G = make_batches(config, results)
+        t_learn = time.time()
         sums = learn(cluster, batches, step) if batches else {"skipped": False, "bad": False}
+        times["learn_s"] = time.time() - t_learn
         step_metrics = dict(reward_mean=float(rewards_B_G.mean()), **{k: v for k, v in sums.items() if k != "bad"})
+        t_sync = time.time()
         if sums["skipped"]:  # nothing changed: nothing to publish
             state.skipped_steps += 1
             state.bad_steps = state.bad_steps + 1 if sums["bad"] else 0
         else:
             state.bad_steps = 0
-            previous = rev
-            rev = publish(cluster, store, config, run.model_path, adapter_config, step, rev, results, step_metrics)
-            if rev is not previous:
-                data_ref = ray.put(rev.data)
+            rev = publish(
+                cluster, store, config, run.model_path, adapter_config, step, rev, results, step_metrics, pipe.loader()
+            )
+            pipe.advance(rev.id, rev.data)
+        times["sync_s"] = time.time() - t_sync
         state.step, state.revision = step, rev.id
         state.rewards.append(step_metrics["reward_mean"])
-        metrics = _metrics(config, step, results, len(batches), rewards_B_G, sums, rev, state, cluster, t0, t_rollout)
+        metrics = _metrics(config, step, results, len(batches), rewards_B_G, sums, rev, state, cluster, t0, times)
+        metrics.update(staleness)
         every = config.eval.every
         if held_out and ((every and step % every == 0) or step == config.grpo.steps):
-            run.eval_last = evaluate(cluster, held_out, config, step, rev.id)
-            metrics.update(run.eval_last)
-            logger.note(f"mint: step {step}: eval {_fmt(run.eval_last)}")
+            state.eval_last = evaluate(cluster, held_out, config, step, rev.id)
+            metrics.update(state.eval_last)
+            logger.note(f"mint: step {step}: eval {_fmt(state.eval_last)}")
         if config.logging.samples_every and step % config.logging.samples_every == 0:
             logger.samples(sample_rows(config, step, results, rewards_B_G))
         logger.log(metrics)
@@ -247,7 +274,10 @@ def _check_rewards(config: Config, step: int, results: list, state: RunState, lo
         )
 
 
-def _metrics(config, step, results, groups_kept, rewards_B_G, sums, rev, state, cluster, t0, t_rollout) -> dict:
+def _metrics(config, step, results, groups_kept, rewards_B_G, sums, rev, state, cluster, t0, times) -> dict:
+    """The step's metrics. Time: rollout_s waited for the step's samples (the whole rollout when on-policy, only what
+    learning did not hide with rollout.max_staleness >= 1), learn_s the learner's optimizer step, sync_s publishing
+    the revision to the catalog and the rollout actors, idle_s = step_s - learn_s the learner group's idle time."""
     tokens = max(sums.get("tokens", 0.0), 1.0)
     gen_tokens = sum(len(c.tokens_R) for r in results for c in r.rollout.completions)
     step_s = time.time() - t0
@@ -270,8 +300,8 @@ def _metrics(config, step, results, groups_kept, rewards_B_G, sums, rev, state, 
         response_tokens=gen_tokens,
         response_len_mean=gen_tokens / rewards_B_G.numel(),
         tokens_per_s=gen_tokens / max(step_s, 1e-9),
-        rollout_s=t_rollout,
-        learn_s=step_s - t_rollout,
+        **times,
+        idle_s=step_s - times["learn_s"],
         step_s=step_s,
         peak_memory_mb=sums.get("peak_memory_mb", 0.0),
         revision=rev.id,
@@ -314,7 +344,7 @@ def open_run_dir(config: Config, resume: bool) -> Path:
     """A fresh run directory, or with `resume` the existing one, which must hold a complete checkpoint."""
     if not resume:
         return prepare_run_dir(config)
-    out = run_dir(config)
+    out = run_dir(config).absolute()  # absolute: learner ranks on other nodes write checkpoint parts into it
     latest = checkpoint.latest(out)
     if latest is None:
         raise ConfigError(f"--resume: {out} has no complete checkpoint to resume from (checkpoint.every)")
@@ -325,7 +355,7 @@ def open_run_dir(config: Config, resume: bool) -> Path:
 
 def prepare_run_dir(config: Config) -> Path:
     """A fresh run directory. An earlier run under the same name is moved aside, never overwritten or mixed in."""
-    out = run_dir(config)
+    out = run_dir(config).absolute()
     if out.exists() and any(out.iterdir()):
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(out.stat().st_mtime))
         moved = out.with_name(f"{out.name}.{stamp}")

@@ -1,14 +1,18 @@
 """The pieces of one GRPO step between rollout and logging: advantages, the learner's plans, learn, publish.
 
 Weight sync *is* revision publish: each step's LoRA tensors become a revision in the catalog (<run>/catalog by
-default, with lineage and the step's rollout records), travel as safetensors bytes with their id through the Ray
-object store, and every `save_every` steps are also exported to <run>/adapters as a PEFT adapter directory.
+default, with lineage and the step's rollout records), and every `save_every` steps are also exported to
+<run>/adapters as a PEFT adapter directory. On the on-policy path the rollout actors take the bytes straight from
+learner rank 0's object store (no driver hop) while the driver writes the catalog copy; `Revision.sync_s` times it
+(docs/rollout.md). A caller-given `load` (the overlapped loop) gets the bytes through the driver instead.
 """
 
 from __future__ import annotations
 
 import functools
 import shutil
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,9 +21,11 @@ import torch
 
 from longstraw.trust import TrustCounts
 from mint.config import Config
+from mint.errors import MintError
 from mint.hub import Catalog, from_bytes
 from mint.rl.grpo import group_advantages_batch, zero_variance_mask
-from mint.train.cluster import Cluster, gather, load_revision
+from mint.train.cluster import Cluster, finish_sync, gather, load_revision, submit_sync
+from mint.train.context_parallel import cp_group_ranks, data_parallel_size, replicate_plans
 from mint.train.learner import GroupBatch, MicroStep, StepPlan
 from mint.train.rollout_actor import GroupResult
 
@@ -30,6 +36,8 @@ class Revision:
     step: int
     data: bytes = field(repr=False)
     parent: str | None = None
+    sync_s: float = 0.0  # seconds from asking the learner for its state to every rollout actor serving it
+    catalog_s: float = 0.0  # seconds of the driver's catalog copy (records, hash, write), beside the actors' sync
 
 
 @functools.lru_cache(maxsize=8)
@@ -56,19 +64,30 @@ def publish(
     parent: Revision | None,
     results: list[GroupResult] | None = None,
     metrics: dict | None = None,
+    load: Callable[[Cluster, str, object], None] = load_revision,
 ) -> Revision:
     """Publish the learner's LoRA state as a catalog revision and hot-load it into every rollout actor by id.
 
-    The step's rollout records (sampled with `parent`) are stored beside it. The actors receive the id with the
-    safetensors bytes and refuse bytes that do not hash to it. An update that left the adapter unchanged (same id as
-    the parent) publishes nothing new and returns the parent.
+    The step's rollout records are stored beside it, under the revision that sampled them (`parent`, or an older one
+    when rollout.max_staleness lets rollout run ahead). The actors receive the id with the safetensors bytes and
+    refuse bytes that do not hash to it. `load(cluster, id, bytes_ref)` hands it to them: load_revision waits for
+    every actor; the overlapped loop queues the loads behind the rollouts in flight. An update that left the adapter
+    unchanged (same id as the parent) publishes nothing new and returns the parent.
     """
     from mint.hub import write_step
 
-    data, tensors = learner_revision(cluster)
+    # Direct sync (the default `load`): the actors fetch rank 0's bytes from the learner's object store and hash
+    # them once while the driver fetches its own copy for the catalog; the ids must agree.
+    direct = load is load_revision
+    t0 = time.perf_counter()
+    refs = [learner.lora_state_bytes.remote() for learner in cluster.learners]  # every rank: it may gather
+    syncs = submit_sync(cluster, refs[0]) if direct else None
+    data = gather(refs, cluster, "publish")[0]
+    t_catalog = time.perf_counter()
+    tensors = from_bytes(data)
     run = config.logging.name
     if results and parent is not None:
-        write_step(store, run, step, parent.id, results, config.mint.rollout_records)
+        write_step(store, run, step, results[0].revision or parent.id, results, config.mint.rollout_records)
     meta = store.put(  # returns the existing entry, writing nothing, for tensors already in the catalog
         tensors,
         adapter_config,
@@ -80,15 +99,31 @@ def publish(
         base_fingerprint=_fingerprint(model_path),
         metrics=metrics or {},
     )
+    catalog_s = time.perf_counter() - t_catalog
+    if direct:
+        synced, _ = finish_sync(cluster, syncs, refs[0])
+        if synced != meta.id:
+            raise MintError(f"weight sync: the rollout actors hold {synced[:12]}, the catalog {meta.id[:12]}")
     if parent is not None and meta.id == parent.id:
+        parent.sync_s, parent.catalog_s = time.perf_counter() - t0, catalog_s
         return parent
-    rev = Revision(meta.id, step, data, parent.id if parent is not None else None)
-    load_revision(cluster, rev.id, ray.put(data))
+    rev = Revision(meta.id, step, data, parent.id if parent is not None else None, catalog_s=catalog_s)
+    if not direct:
+        load(cluster, rev.id, ray.put(data))
+    rev.sync_s = time.perf_counter() - t0
     return rev
 
 
-def plan_step(groups: list[GroupBatch], world_size: int, step: int = 0) -> list[StepPlan]:
-    """Assign groups to ranks (fewest tokens first) and pad every rank to the same number of micro-steps."""
+def plan_step(
+    groups: list[GroupBatch], world_size: int, step: int = 0, context_parallel: int = 1, expert_parallel: int = 1
+) -> list[StepPlan]:
+    """Assign groups to ranks (fewest tokens first) and pad every rank to the same number of micro-steps.
+
+    Context parallel (C > 1): the groups go to the D = world_size / C data-parallel replicas, and the C ranks of a
+    replica get its plan (`mint.train.context_parallel`, whose layout depends on expert_parallel)."""
+    if context_parallel > 1:
+        plans = plan_step(groups, data_parallel_size(world_size, context_parallel), step)
+        return replicate_plans(plans, world_size, context_parallel, expert_parallel)
     tokens = [sum(len(r) for r in g.responses) for g in groups]
     loads = [0] * world_size
     assigned: list[list[GroupBatch]] = [[] for _ in range(world_size)]
@@ -136,20 +171,31 @@ def make_batches(config: Config, results: list[GroupResult]) -> tuple[list[Group
 def learn(cluster: Cluster, batches: list[GroupBatch], step: int) -> dict:
     """One optimizer step over the learner group; returns the ranks' sums (loss, kl, clipped, tokens), maxima, the
     global gradient norm and whether the step was skipped (a non-finite gradient: nothing changed)."""
-    plans = plan_step(batches, len(cluster.learners), step)
+    cp, ep = _parallel_layout(cluster)
+    plans = plan_step(batches, len(cluster.learners), step, cp, ep)
     futures = [lr.step.remote(p) for lr, p in zip(cluster.learners, plans, strict=True)]
     per_rank = gather(futures, cluster, f"step {step}")
-    sums = {k: sum(r[k] for r in per_rank) for k in ("loss", "kl", "clipped", "tokens")}
+    # Under context parallel the first rank of each CP group reports its replica; its CP peers ran the same groups.
+    replicas = [per_rank[ranks[0]] for ranks in cp_group_ranks(len(per_rank), cp, ep)]
+    sums = {k: sum(r[k] for r in replicas) for k in ("loss", "kl", "clipped", "tokens")}
     sums.update({k: max(r[k] for r in per_rank) for k in ("peak_memory_mb", "logp_diff_max")})
     sums["grad_norm"] = per_rank[0]["grad_norm"]  # already global: DeepSpeed reduces it across ranks
     sums["lr"] = per_rank[0]["lr"]
     sums["skipped"] = any(r["skipped"] for r in per_rank)
     sums["bad"] = any(r["bad"] for r in per_rank)
     trust = TrustCounts()
-    for r in per_rank:
+    for r in replicas:
         trust.add(r["trust"])
     sums.update(trust.metrics())
     return sums
+
+
+def _parallel_layout(cluster: Cluster) -> tuple[int, int]:
+    """The learner's (longstraw.context_parallel, learner.expert_parallel), asked of rank 0 once per cluster (the
+    driver's `learn` call does not carry the config)."""
+    if not hasattr(cluster, "parallel_layout"):
+        cluster.parallel_layout = tuple(gather([cluster.learners[0].parallel_layout.remote()], cluster, "setup")[0])
+    return cluster.parallel_layout
 
 
 def save_revision(config: Config, out: Path, store: Catalog, rev: Revision) -> Path:
