@@ -9,12 +9,13 @@ A request (`Job`) holds one or more prompts; each prompt is a group of n rows, a
              and `token_logprobs`), finished rows are answered, finished groups leave the batch, and one forward
              over every remaining row produces the next logits
 
-Seeds. Group i of a job has its own generator seeded with `seed + i` and draws, per step, for its n rows exactly as
-the engine draws for a group (finished rows keep drawing, so a row's tokens never depend on when its siblings stop).
-A neighbour in the batch never touches that generator. So a one-prompt request equals
-`RolloutEngine.generate([prompt], n, params, seed)`: bit for bit while it runs alone (no padding: the same forwards),
-and within float reassociation when batched (the padded attention and larger matmuls sum in another order, about
-1e-6 in the logprobs; a token can differ only if a draw lands that close to a boundary).
+Seeds. Group i of a job has its own generator seeded with `group_seed(seed, i)`, as the engine seeds group i of a
+call, and draws, per step, for its n rows exactly as the engine draws for a group (finished rows keep drawing, so a
+row's tokens never depend on when its siblings stop). A neighbour in the batch never touches that generator. So a
+request draws what `RolloutEngine.generate(prompts, n, params, seed)` draws: bit for bit for one prompt running
+alone (no padding: the same forwards), and within float reassociation when padded or batched (the padded
+attention and larger matmuls sum in another order, about 1e-6 in the logprobs; a token can differ only if a draw
+lands that close to a boundary).
 
 Stop strings are checked on the text as it grows (incremental detokenization); a row that completes one ends with
 finish_reason "stop", keeps the tokens up to and including the one that completed it, and its text is cut before
@@ -36,7 +37,7 @@ from longstraw.routing import RouteRecorder
 from longstraw.scoring import token_logprobs
 from mint.models.specs import moe_layout, usable_vocab
 from mint.rollout import SamplingParams
-from mint.rollout.engine import _sample  # the engine's own draw: one implementation of sampling
+from mint.rollout.engine import _sample, group_seed  # the engine's own draw and seeds: one implementation
 
 SEED_MOD = 2**63
 
@@ -193,7 +194,7 @@ class BatchDecoder:
                 logits_1_V, routes_1_P_L_K = self._forward(torch.tensor([prompt], device=self.device), cache)
                 cache.batch_repeat_interleave(job.n)
                 generator = torch.Generator(device=self.device)
-                generator.manual_seed((job.seed + i) % SEED_MOD)
+                generator.manual_seed(group_seed(job.seed % SEED_MOD, i))
                 first = None if routes_1_P_L_K is None else routes_1_P_L_K[:, -1].expand(job.n, -1, -1)
                 group = _Group(job, i, generator, logits_1_V.expand(job.n, -1), first, stop_ids)
                 group.tokens, group.logprobs = [[] for _ in range(job.n)], [[] for _ in range(job.n)]
