@@ -122,20 +122,50 @@ class RolloutConfig:
         "vllm/sglang: where each rollout actor writes the adapter directory its engines load (a path on the "
         "actor's node that the engine can read); empty: <run dir>/engine_adapters.",
     )
+    engines: int = knob(
+        0,
+        "vllm/sglang: engine servers the run starts as Ray actors (their URLs replace rollout.urls; see "
+        "docs/rollout.md); 0: use rollout.urls, servers that already run.",
+        min=0,
+    )
+    engine_command: str = knob(
+        "",
+        "rollout.engines: each server's launch line; {python} {model} {host} {port} {tp} {max_lora_rank} "
+        "{adapter_dir} {index} are filled in. Empty: the backend's vLLM / SGLang line (docs/rollout.md).",
+    )
+    engine_tp: int = knob(1, "rollout.engines: tensor-parallel size (GPUs with ray.rollout_gpus > 0) of each.", min=1)
+    engine_start_timeout: float = knob(900.0, "rollout.engines: seconds an engine may take to answer /health.", gt=0.0)
 
     def __post_init__(self):
         from mint.errors import ConfigError
 
-        if self.backend != "builtin" and not self.urls:
+        if self.engines and self.backend == "builtin":
+            raise ConfigError("rollout.engines: engine servers need rollout.backend = vllm or sglang")
+        if self.engines and self.urls:
+            raise ConfigError(
+                "rollout.engines: set rollout.engines (servers the run starts) or rollout.urls (servers that "
+                "already run), not both"
+            )
+        if self.backend != "builtin" and not self.urls and not self.engines:
             raise ConfigError(
                 f"rollout.urls: rollout.backend = {self.backend} needs the engine servers' URLs "
-                '(rollout.urls = ["http://host:port"]); or use rollout.backend = builtin'
+                '(rollout.urls = ["http://host:port"]), or rollout.engines = N to start them; or use '
+                "rollout.backend = builtin"
             )
-        if self.backend != "builtin" and self.num_actors > len(self.urls):
+        n_engines = self.engines or len(self.urls)
+        if self.backend != "builtin" and self.num_actors > n_engines:
             raise ConfigError(
-                f"rollout.num_actors: {self.num_actors} actors for {len(self.urls)} engine(s); each actor fronts at "
-                "least one engine, so use rollout.num_actors <= len(rollout.urls)"
+                f"rollout.num_actors: {self.num_actors} actors for {n_engines} engine(s); each actor fronts at "
+                "least one engine, so use rollout.num_actors <= len(rollout.urls) or rollout.engines"
             )
+        fill = dict.fromkeys(("python", "model", "host", "port", "tp", "max_lora_rank", "adapter_dir", "index"), "")
+        try:
+            self.engine_command.format(**fill)
+        except (KeyError, IndexError, ValueError) as err:
+            names = "{" + "}, {".join(fill) + "}"
+            raise ConfigError(
+                f"rollout.engine_command: bad placeholder ({err}); use {names}; a literal brace is {{{{"
+            ) from None
         for url in self.urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"rollout.urls: {url!r} is not an http:// or https:// URL")
@@ -439,6 +469,9 @@ RESULT_NEUTRAL = (
     "rollout.urls",  # where the engines run, not what they compute
     "rollout.engine_timeout",
     "rollout.adapter_dir",
+    "rollout.engines",  # the engines' count, launch line and start timeout: where they run, as rollout.urls
+    "rollout.engine_command",
+    "rollout.engine_start_timeout",
 )
 
 

@@ -11,10 +11,13 @@
   is gone) and marks the cluster lost; the driver then restarts the actors from the latest checkpoint on the nodes
   that are left (`NodeLost`, the same rule as a dead learner rank), or stops with one line when they cannot hold
   the layout.
+- `rollout.engines = N`: the engine servers start before the rollout actors (mint.train.engines), which see their
+  URLs as rollout.urls; `close` stops them, and a failed rollout or sync names a dead engine (`check_engines`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -29,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mint.config import Config
 from mint.errors import MintError
+from mint.train.engines import check_engines, start_engines, stop_engines
 from mint.train.faults import Faults
 from mint.train.learner import LearnerActor
 from mint.train.nodes import connect, prepare_nodes
@@ -67,6 +71,7 @@ class Cluster:
     layout: Layout | None = None
     nodes: dict[str, str] = field(default_factory=dict)  # actor name -> the id of the node it runs on
     lost: str = ""  # set by the watchdog: which node left, with which actors
+    engines: list = field(default_factory=list)  # EngineServer actors (rollout.engines), stopped by close()
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def close(self, shutdown: bool = True) -> None:
@@ -74,6 +79,7 @@ class Cluster:
         self._stop.set()
         for actor in self.learners + self.rollouts:
             ray.kill(actor, no_restart=True)
+        stop_engines(self.engines)  # each server's whole process group; never raises
         remove_placement_group(self.pg)
         if shutdown and self.started_ray:
             ray.shutdown()
@@ -120,9 +126,18 @@ def start_cluster(
         # Before any actor: every node must hold the model (a tiny base is shipped) and, for learner nodes, see
         # the run directory. One line naming the node when not.
         paths = prepare_nodes(config, model_path, {n: names[n] for n in set(node_of.values())}, learner_nodes, run_dir)
+        # rollout.engines: start the servers (mint.train.engines); the rollout actors then see their URLs as
+        # rollout.urls, exactly as servers that already run.
+        engines, rollout_config = [], config
+        if config.rollout.engines:
+            engines, urls = start_engines(config, model_path, run_dir)
+            rollout_config = dataclasses.replace(
+                config, rollout=dataclasses.replace(config.rollout, engines=0, urls=list(urls))
+            )
     except BaseException:
         remove_placement_group(pg)
         raise
+    cluster = Cluster([], [], pg, started_ray, layout=layout, nodes=node_of, engines=engines)
 
     def on(slot):
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=slot.bundle)
@@ -136,16 +151,15 @@ def start_cluster(
     # StaleRevision until the driver has loaded the current revision into it again).
     restarts = config.rollout.max_restarts
     rollout_cls = ray.remote(max_restarts=restarts, max_task_retries=-1 if restarts else 0)(RolloutActor)
-    learners = [
-        learner_cls.options(**on(s)).remote(config, paths[node_of[s.actor]], i, n, faults)
-        for i, s in enumerate(layout.learners)
-    ]
-    rollouts = [
-        rollout_cls.options(**on(s)).remote(config, paths[node_of[s.actor]], j)  # j: which engines it fronts
-        for j, s in enumerate(layout.rollouts)
-    ]
-    cluster = Cluster(learners, rollouts, pg, started_ray, layout=layout, nodes=node_of)
     try:
+        cluster.learners = learners = [
+            learner_cls.options(**on(s)).remote(config, paths[node_of[s.actor]], i, n, faults)
+            for i, s in enumerate(layout.learners)
+        ]
+        cluster.rollouts = rollouts = [
+            rollout_cls.options(**on(s)).remote(rollout_config, paths[node_of[s.actor]], j)  # j: its engines
+            for j, s in enumerate(layout.rollouts)
+        ]
         addr, port = ray.get(learners[0].address.remote())
         gather([lr.setup.remote(addr, port, init_lora) for lr in learners], cluster, "setup")
         actors = [s.actor for s in layout.slots]
@@ -224,6 +238,9 @@ def load_revision(cluster: Cluster, rev_id: str, data_ref) -> None:
             ray.get(future)
         except ACTOR_GONE:
             _reload(cluster, i, rev_id, data_ref)
+        except MintError:
+            check_engines(cluster.engines)  # a dead engine server is the cause: name it and its log
+            raise
     _count_restarts(cluster)
 
 
@@ -247,6 +264,9 @@ def finish_sync(cluster: Cluster, futures: list, data_ref, count_restarts: bool 
             seconds.append(out["sync_s"])
         except ACTOR_GONE:
             dead.append(i)
+        except MintError:
+            check_engines(cluster.engines)
+            raise
     if len(set(ids)) > 1:
         raise MintError(f"weight sync: rollout actors hashed the learner's bytes to {len(set(ids))} different ids")
     if not ids:
@@ -346,6 +366,9 @@ def collect_rollout(cluster: Cluster, call: RolloutCall, current: tuple[str, obj
                 results[i] = ray.get(future)
             except (*ACTOR_GONE, StaleRevision):
                 dead.append(i)
+            except MintError:
+                check_engines(cluster.engines)
+                raise
         if not dead:
             break
         if attempt == 1:

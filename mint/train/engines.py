@@ -1,0 +1,236 @@
+"""Engine servers started under Ray (`rollout.engines = N`): vLLM or SGLang, or anything that speaks their protocol.
+
+Each `EngineServer` actor launches one server as a subprocess on its node, from the `rollout.engine_command` template
+(or the backend's default launch line), in a process group of its own, writes its output to a log file, and waits
+for the server's `/health` to answer 200. Its URL then goes into `rollout.urls` for the rollout actors, which front
+the engines exactly as they front servers that already run (actor j: `urls[j::num_actors]`).
+
+- A server that exits, or does not answer within `rollout.engine_start_timeout`, stops the run with one line naming
+  the engine, its log and the log's last words.
+- A server that dies later is not restarted: the run ends with one line naming the engine and its log
+  (`check_engines`, asked when a rollout or a weight sync fails).
+- `stop_engines` ends every server's whole process group (SIGTERM, then SIGKILL); the cluster calls it on every way
+  out of a run (end, error, Ctrl-C). The server itself also gets SIGTERM when its actor's process dies
+  (PR_SET_PDEATHSIG), so a killed actor leaves no server behind.
+
+Engines are plain Ray actors outside the run's placement group: `rollout.engine_tp` GPUs each when
+`ray.rollout_gpus > 0` (Ray sets CUDA_VISIBLE_DEVICES, which the server inherits), no resources on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import ray
+from ray.exceptions import GetTimeoutError, RayTaskError
+
+from mint.config import Config
+from mint.errors import MintError
+
+# The documented launch lines, LoRA on (max rank from lora.rank), routed-expert return on, tensor parallel engine_tp.
+DEFAULT_COMMANDS = {
+    "vllm": (
+        "{python} -m vllm.entrypoints.openai.api_server --model {model} --host {host} --port {port} "
+        "--tensor-parallel-size {tp} --enable-lora --max-lora-rank {max_lora_rank} --max-loras 2 "
+        "--enable-return-routed-experts --logprobs-mode processed_logprobs"
+    ),
+    "sglang": (
+        "{python} -m sglang.launch_server --model-path {model} --host {host} --port {port} --tp {tp} "
+        "--enable-lora --max-lora-rank {max_lora_rank} --lora-target-modules q_proj k_proj v_proj o_proj "
+        "--enable-return-routed-experts"
+    ),
+}
+HEALTH_POLL_S = 0.5
+STOP_WAIT_S = 20.0
+TAIL_CHARS = 300
+PR_SET_PDEATHSIG = 1
+
+
+def engine_command(config: Config) -> str:
+    """The launch template of this run's engines: rollout.engine_command, else the backend's default."""
+    return config.rollout.engine_command or DEFAULT_COMMANDS[config.rollout.backend]
+
+
+def log_tail(path: str | Path, chars: int = TAIL_CHARS) -> str:
+    """The end of a log file on one line (what the error lines quote)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    words = " | ".join(line.strip() for line in text[-chars:].splitlines() if line.strip())
+    return words or "(empty log)"
+
+
+class EngineServer:
+    """One engine server process on this actor's node (made a Ray actor by `start_engines`)."""
+
+    def __init__(self, index: int, template: str, values: dict, log_path: str, env: dict[str, str]):
+        self.index = index
+        self.log_path = log_path
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:  # a free port on this node (the server binds it a moment later)
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        fill = {**values, "python": sys.executable, "host": host, "port": port, "index": index}
+        self.argv = [arg.format(**fill) for arg in shlex.split(template)]
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")  # noqa: SIM115 - the server writes to it for as long as it runs
+        self._log.write(f"$ {shlex.join(self.argv)}\n".encode())
+        self._log.flush()
+        libc = ctypes.CDLL(None, use_errno=True)
+
+        def die_with_actor():  # runs in the child between fork and exec: async-signal-safe calls only
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+        self.stopped, self.start_error, self.proc = False, "", None
+        self._lock = threading.Lock()
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+                start_new_session=True,  # its own process group: stop() ends the server and all its workers
+                preexec_fn=die_with_actor,
+            )
+        except OSError as err:  # reported by wait_healthy: an actor whose constructor raises dies with many lines
+            self.start_error = f"{self.name()} could not start {self.argv[0]!r}: {err}"
+
+    def name(self) -> str:
+        return (
+            f"rollout engine {self.index} ({self.url}, log {self.log_path} on {self.url.split('//')[1].split(':')[0]})"
+        )
+
+    def wait_healthy(self, timeout: float) -> str:
+        """Wait for GET /health to answer 200; the URL, or one line when the server exits or times out."""
+        if self.start_error:
+            raise MintError(self.start_error)
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise MintError(
+                    f"{self.name()} exited with code {code} before it was healthy: {log_tail(self.log_path)}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return self.url
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise MintError(
+                    f"{self.name()} did not answer /health within {timeout:g} s (rollout.engine_start_timeout): "
+                    f"{log_tail(self.log_path)}"
+                )
+            time.sleep(HEALTH_POLL_S)
+
+    def status(self) -> str:
+        """'' while the server runs; else one line naming the engine, its exit code and its log."""
+        if self.start_error:
+            return self.start_error
+        code = self.proc.poll()
+        if code is None or self.stopped:
+            return ""
+        return f"{self.name()} died with exit code {code}: {log_tail(self.log_path)}"
+
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else 0
+
+    def stop(self) -> int | None:
+        """End the server's process group: SIGTERM, then SIGKILL after STOP_WAIT_S. Returns the server's exit code."""
+        with self._lock:
+            self.stopped = True
+            if self.proc is None:
+                self._log.close()
+                return None
+            for sig, wait in ((signal.SIGTERM, STOP_WAIT_S), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    break  # the whole group is gone
+                try:
+                    self.proc.wait(timeout=wait)
+                except subprocess.TimeoutExpired:
+                    continue
+                if sig == signal.SIGTERM:  # the leader is gone; its workers in the group go too
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    break
+            self._log.close()
+            return self.proc.poll()
+
+
+def start_engines(config: Config, model_path: str, run_dir: str | Path | None) -> tuple[list, list[str]]:
+    """Start `rollout.engines` servers as Ray actors and wait until every one is healthy: (actors, urls). One line
+    naming the first engine that fails; the others are stopped then."""
+    from mint.config import run_dir as default_run_dir
+
+    r = config.rollout
+    root = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="mint-engines-"))
+    adapter_dir = r.adapter_dir or str(default_run_dir(config) / "engine_adapters")
+    values = {"model": model_path, "tp": r.engine_tp, "max_lora_rank": config.lora.rank, "adapter_dir": adapter_dir}
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "TOKENIZERS_PARALLELISM": "false"}
+    gpus = r.engine_tp if config.ray.rollout_gpus > 0 else 0
+    # max_concurrency 2: stop() runs while wait_healthy() still polls (another engine failed first)
+    cls = ray.remote(max_restarts=0, max_concurrency=2)(EngineServer).options(num_cpus=0, num_gpus=gpus)
+    template = engine_command(config)
+    actors = [cls.remote(i, template, values, str(root / "engines" / f"engine_{i}.log"), env) for i in range(r.engines)]
+    try:
+        urls = ray.get(
+            [a.wait_healthy.remote(r.engine_start_timeout) for a in actors], timeout=r.engine_start_timeout + 60
+        )
+    except GetTimeoutError:
+        stop_engines(actors)
+        raise MintError(
+            f"rollout engines: {r.engines} engine(s) of {gpus:g} GPU(s) each were not up within "
+            f"{r.engine_start_timeout:g} s (rollout.engine_start_timeout); the cluster may lack free GPUs"
+        ) from None
+    except RayTaskError as err:  # the engine's own one line, without Ray's traceback around it
+        stop_engines(actors)
+        raise MintError(str(err.cause) if isinstance(err.cause, MintError) else f"rollout engines: {err}") from None
+    except BaseException:
+        stop_engines(actors)
+        raise
+    return actors, urls
+
+
+def check_engines(engines: list) -> None:
+    """Raise one line naming the first engine whose server died (or whose actor is gone); nothing when all run."""
+    for i, actor in enumerate(engines):
+        try:
+            line = ray.get(actor.status.remote(), timeout=30)
+        except Exception as err:  # the actor itself is gone (its node left, or it was killed)
+            line = f"rollout engine {i} is gone ({type(err).__name__})"
+        if line:
+            raise MintError(line)
+
+
+def stop_engines(engines: list) -> None:
+    """Stop every engine's server (its whole process group), then the actors. Never raises."""
+    calls = []
+    for actor in engines:
+        with contextlib.suppress(Exception):
+            calls.append(actor.stop.remote())
+    for call in calls:
+        with contextlib.suppress(Exception):
+            ray.get(call, timeout=STOP_WAIT_S + 15)
+    for actor in engines:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
