@@ -117,6 +117,16 @@ class HttpBackend(RolloutBackend):
 
     # ---- groups -------------------------------------------------------------------------------------------------
 
+    def _assemble(self, url: str, prompt: Sequence[int], items: list) -> GroupRollout:
+        """A group from the engine's G answers (`_completion` reads one); the prompt routes come from the first
+        answer that carries them."""
+        completions, prompt_routes = [], None
+        for item in items:
+            completion, routes_P1 = self._completion(url, item, len(prompt))
+            completions.append(completion)
+            prompt_routes = routes_P1 if prompt_routes is None else prompt_routes
+        return GroupRollout(torch.tensor(prompt, dtype=torch.int64), prompt_routes, completions)
+
     def generate(
         self, prompts: list[Sequence[int]], group_size: int, params: SamplingParams, seed: int
     ) -> list[GroupRollout]:

@@ -66,12 +66,7 @@ class VllmBackend(HttpBackend):
         choices = sorted(out.get("choices") or [], key=lambda c: c.get("index", 0))
         if len(choices) != group_size:
             raise EngineError(f"rollout engine {url}: asked for n={group_size} completions, got {len(choices)}")
-        completions, prompt_routes = [], None
-        for choice in choices:
-            completion, routes_P1 = self._completion(url, choice, len(prompt))
-            completions.append(completion)
-            prompt_routes = routes_P1 if prompt_routes is None else prompt_routes
-        return GroupRollout(torch.tensor(prompt, dtype=torch.int64), prompt_routes, completions)
+        return self._assemble(url, prompt, choices)
 
     def _completion(self, url: str, choice: dict, num_prompt: int) -> tuple[Completion, torch.Tensor | None]:
         ids = choice.get("token_ids")

@@ -65,12 +65,7 @@ class SglangBackend(HttpBackend):
         if not isinstance(out, list) or len(out) != group_size:
             got = len(out) if isinstance(out, list) else type(out).__name__
             raise EngineError(f"rollout engine {url}: /generate with {group_size} prompts answered {got} results")
-        completions, prompt_routes = [], None
-        for item in out:
-            completion, routes_P1 = self._completion(url, item, len(prompt))
-            completions.append(completion)
-            prompt_routes = routes_P1 if prompt_routes is None else prompt_routes
-        return GroupRollout(torch.tensor(prompt, dtype=torch.int64), prompt_routes, completions)
+        return self._assemble(url, prompt, out)
 
     def _completion(self, url: str, item: dict, num_prompt: int) -> tuple[Completion, torch.Tensor | None]:
         meta = item.get("meta_info") or {}
