@@ -15,8 +15,8 @@ one unsharded process running every rank's group.
 Context parallel (CP = 1, 2, 4): every rank runs the same group with the prefix pages split (`cp_adapter_for`), and
 reports its prefix K/V bytes and the payload of its CP collectives (capture, replays, prompt backward) per
 token of the prompt and responses; each rank's LoRA gradient is
-compared with the unsharded one. CP is measured through the library: the learner does not wire it yet
-(`longstraw.context_parallel` has no config key; docs/sharding.md).
+compared with the unsharded one. CP is measured through `cp_adapter_for`, the adapter the learner's
+context-parallel step runs (`longstraw.context_parallel`, docs/sharding.md); the learner is not in this benchmark.
 
 The last line printed is one JSON object: expert_bytes_per_rank_ep2_over_ep1, prefix_bytes_per_rank_cp2_over_cp1,
 grad_maxdiff_sharded (the largest |gradient - unsharded gradient| over every sharded run), and the rows behind them.
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from longstraw.adapters import adapter_for
 from longstraw.context_parallel import collective_log, cp_adapter_for
 from longstraw.engine import UpdateSpec, grpo_update
-from longstraw.expert_parallel import Lockstep, LockstepAdapter, pad_responses
+from longstraw.expert_parallel import Lockstep, LockstepAdapter, counted_sends, pad_responses
 from mint.config import LoraConfig
 from mint.models.expert_parallel import (
     expert_bytes,
@@ -118,15 +118,6 @@ def ep_worker(rank, world, path, state, args):
     moe_tokens = {"n": 0}
     for _, module in lockstep.experts:
         module.register_forward_pre_hook(lambda m, args_: moe_tokens.__setitem__("n", moe_tokens["n"] + len(args_[0])))
-    sent = {"bytes": 0}
-    original = dist.all_to_all_single
-
-    def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-        row = input[0].numel() * input.element_size() if input.shape[0] else 0
-        splits = input_split_sizes or [input.shape[0] // world] * world
-        sent["bytes"] += row * (sum(splits) - splits[rank])
-        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
-
     prompt, responses = group(rank, args)
     extra = pad_responses(lockstep, responses)
     responses = responses + [responses[0][:1]] * extra
@@ -135,12 +126,9 @@ def ep_worker(rank, world, path, state, args):
     def padded_objective(i, logp_R, ref_R):
         return objective(i, logp_R, ref_R) if i < real else (logp_R.sum() * 0.0, {})
 
-    dist.all_to_all_single = counting
-    try:
+    with counted_sends(rank, world) as sent:
         adapter = LockstepAdapter(adapter_for(model), lockstep)
         metrics = grpo_update(model, prompt, responses, padded_objective, spec(args), adapter=adapter)
-    finally:
-        dist.all_to_all_single = original
     for name, p in model.named_parameters():  # replicated LoRA: each rank's own group, summed as DP would
         if p.grad is not None and "mlp.experts" not in name:
             dist.all_reduce(p.grad)
@@ -279,7 +267,7 @@ def main() -> None:
         "mode": "exact",
         "expert_bytes_per_rank_ep2_over_ep1": ratio("ep", "expert_bytes_per_rank"),
         "prefix_bytes_per_rank_cp2_over_cp1": ratio("cp", "prefix_bytes_per_rank"),
-        "cp_wired_into_learner": False,
+        "cp_path": "cp_adapter_for, the adapter the learner's context-parallel step runs",
         "grad_maxdiff_sharded": max(sharded),
         "rows": rows,
     }

@@ -25,6 +25,8 @@ torch.distributed only: works on gloo (CPU) and nccl (GPU tensors).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -326,3 +328,24 @@ def pad_responses(lockstep: Lockstep, responses: list[torch.Tensor]) -> int:
 
 def _chunks(length: int, chunk_size: int) -> int:
     return -(-length // chunk_size)
+
+
+@contextmanager
+def counted_sends(rank: int, world: int) -> Iterator[dict[str, int]]:
+    """Count the bytes of every all_to_all_single payload that leaves `rank` inside `with`, forward and backward
+    (rows sent to itself are copies, not counted); yields {"bytes": n}, growing. A meter for benchmarks and tests:
+    it wraps torch.distributed.all_to_all_single, which dispatch and combine call through the module."""
+    sent = {"bytes": 0}
+    original = dist.all_to_all_single
+
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        row = input[0].numel() * input.element_size() if input.shape[0] else 0
+        splits = input_split_sizes or [input.shape[0] // world] * world
+        sent["bytes"] += row * (sum(splits) - splits[rank])
+        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = counting
+    try:
+        yield sent
+    finally:
+        dist.all_to_all_single = original

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from longstraw.expert_parallel import combine, dispatch
+from longstraw.expert_parallel import combine, counted_sends, dispatch
 
 ATOL, RTOL = 1e-5, 1e-5
 H, D_OUT, K = 16, 12, 2
@@ -167,20 +167,8 @@ def test_per_expert_linear_and_gradients_equal_one_process(tmp_path, world, case
 
 def _bytes_rank(rank, world, E):
     """Count every all_to_all payload that leaves this rank, forward and backward."""
-    sent = {"bytes": 0}
-    original = dist.all_to_all_single
-
-    def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-        row = input[0].numel() * input.element_size() if input.shape[0] else 0
-        splits = input_split_sizes or [input.shape[0] // world] * world
-        sent["bytes"] += row * (sum(splits) - splits[rank])
-        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
-
-    dist.all_to_all_single = counting
-    try:
+    with counted_sends(rank, world) as sent:
         got = _linear_rank(rank, world, E, None, False)
-    finally:
-        dist.all_to_all_single = original
     return {"sent": sent["bytes"], **got}
 
 
