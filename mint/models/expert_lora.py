@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +50,8 @@ def factor_experts(peft_model: nn.Module) -> int:
     Idempotent, and safe to call again after `add_adapter` (the wrappers stay the same modules). Raises ConfigError
     for an experts module whose layout the factored forward does not mirror (see `_check_layout`).
     """
-    count, inner = 0, set()
-    for name, module in peft_model.named_modules():  # parents come before their children
-        wrappers = _wrapper_chain(module)
-        if not wrappers or id(module) in inner:
-            continue
-        inner.update(id(w) for w in wrappers[1:])
+    count = 0
+    for name, module, wrappers in expert_wrappers(peft_model):
         if hasattr(module, "_mint_expert_shard"):  # expert-parallel: its forward already dispatches (expert_parallel)
             continue
         _check_layout(name, wrappers)
@@ -70,6 +67,18 @@ def is_factored(module: nn.Module) -> bool:
 
 
 # ---- structure ------------------------------------------------------------------------------------------------------
+
+
+def expert_wrappers(peft_model: nn.Module) -> Iterator[tuple[str, nn.Module, list[nn.Module]]]:
+    """(name, outermost ParamWrapper, its chain down to the experts module) for every experts module with LoRA;
+    the inner wrappers of a chain are not yielded on their own."""
+    inner: set[int] = set()
+    for name, module in peft_model.named_modules():  # parents come before their children
+        wrappers = _wrapper_chain(module)
+        if not wrappers or id(module) in inner:
+            continue
+        inner.update(id(w) for w in wrappers[1:])
+        yield name, module, wrappers
 
 
 def _wrapper_chain(module: nn.Module) -> list[nn.Module]:

@@ -57,6 +57,7 @@ from mint.models.expert_lora import (
     _lora,
     _segment_linear,
     _wrapper_chain,
+    expert_wrappers,
 )
 from mint.models.lora import add_lora, load_lora_state
 from mint.models.specs import DTYPES
@@ -89,12 +90,8 @@ def shard_experts(peft_model: nn.Module, group: dist.ProcessGroup | None, load_s
     must call it. Raises ConfigError when E is not a multiple of the group size or for an unsupported layout.
     """
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    count, inner = 0, set()
-    for name, module in peft_model.named_modules():  # parents come before their children
-        wrappers = _wrapper_chain(module)
-        if not wrappers or id(module) in inner:
-            continue
-        inner.update(id(w) for w in wrappers[1:])
+    count = 0
+    for name, module, wrappers in expert_wrappers(peft_model):
         if hasattr(module, "_mint_expert_shard"):
             raise ConfigError(f"expert parallel: {name} is already sharded")
         _check_layout(name, wrappers)
