@@ -60,6 +60,24 @@ def load_fp32(path: str) -> torch.nn.Module:
     return model.eval()
 
 
+def lora_model(path: str) -> torch.nn.Module:
+    """The fp32 base at `path`, frozen, with the default LoRA and lora_B ~ N(0, 0.05^2) (seeded): PEFT starts B at
+    zero, which would make LoRA a no-op on the forward, so every K/V and expert output would ignore it."""
+    from mint.config import LoraConfig
+    from mint.models.lora import add_lora
+
+    base = load_fp32(path)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    model = add_lora(base, LoraConfig(), seed=0)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
 def assert_three_way(kernel, ref_same, ref_fp32, atol, rtol):
     """Kernel vs reference in the same dtype, and vs the fp32 reference, for every returned tensor."""
     assert kernel.keys() == ref_same.keys() == ref_fp32.keys()

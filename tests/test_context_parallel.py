@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import build_random_tiny, load_fp32
+from conftest import build_random_tiny, lora_model
 
 from longstraw.adapters import adapter_for
 from longstraw.context_parallel import (
@@ -25,8 +25,6 @@ from longstraw.context_parallel import (
 )
 from longstraw.engine import UpdateSpec, grpo_update, score_response
 from longstraw.kernels import prefix_attention
-from mint.config import LoraConfig
-from mint.models.lora import add_lora
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -169,19 +167,6 @@ BETA = 0.3
 TEMPERATURE = 0.9
 
 
-def _lora_model(path: str) -> torch.nn.Module:
-    base = load_fp32(path)
-    for p in base.parameters():
-        p.requires_grad_(False)
-    model = add_lora(base, LoraConfig(), seed=0)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:  # non-zero B: LoRA changes every K/V and expert output
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
-
-
 def _run(model, tokens_P, responses, spec, adapter=None):
     """(logp per response, LoRA grads, metrics) of one grpo_update; grads are cleared afterwards."""
     logps = []
@@ -199,7 +184,7 @@ def _run(model, tokens_P, responses, spec, adapter=None):
 
 
 def _longstraw_worker(rank: int, world: int, path: str, mode: str) -> None:
-    model = _lora_model(path)
+    model = lora_model(path)
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     tokens_P = torch.randint(0, vocab, (P,), generator=gen)

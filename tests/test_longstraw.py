@@ -12,7 +12,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import load_fp32
+from conftest import load_fp32, lora_model
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from longstraw.adapters import KVState, adapter_for
@@ -42,19 +42,6 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(_attention_reference, "SCORE_BLOCK_ELEMENTS", 16)
     monkeypatch.setattr(_attention_reference, "MIN_KEY_BLOCK", 4)
     monkeypatch.setattr(_logprob_reference, "LOGIT_BLOCK_ELEMENTS", 3 * 97)
-
-
-def _lora_model(path: str) -> torch.nn.Module:
-    base = load_fp32(path)
-    for p in base.parameters():
-        p.requires_grad_(False)
-    model = add_lora(base, LoraConfig(), seed=0)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:  # PEFT starts B at zero, which would make LoRA a no-op on the forward
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
 
 
 def _inputs(vocab: int, lengths=LENGTHS, prompt_len=P):
@@ -128,7 +115,7 @@ def _cosine(a, b) -> float:
 @every_family
 def test_logprobs_match_hf_full_forward(random_tiny_path):
     """(a) Each response's logprobs equal a HF full forward over prompt+response."""
-    model = _lora_model(random_tiny_path)
+    model = lora_model(random_tiny_path)
     tokens_P, responses = _inputs(model.config.vocab_size)
     adapter = adapter_for(model)
     with torch.no_grad():
@@ -141,7 +128,7 @@ def test_logprobs_match_hf_full_forward(random_tiny_path):
 @every_family
 def test_exact_grads_equal_full_backprop(random_tiny_path):
     """(b) Exact mode equals full-sequence backprop of the same loss, prompt backward over several chunks."""
-    model = _lora_model(random_tiny_path)
+    model = lora_model(random_tiny_path)
     tokens_P, responses = _inputs(model.config.vocab_size)
     want = _hf_grads(model, tokens_P, responses, detach_prompt_kv=False)
     got, metrics = _engine_grads(model, tokens_P, responses, "exact")
@@ -167,7 +154,7 @@ def test_kernel_path_wiring_equals_full_backprop(random_tiny_path, mode, monkeyp
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(kernels, name, counted)
-    model = _lora_model(random_tiny_path)
+    model = lora_model(random_tiny_path)
     tokens_P, responses = _inputs(model.config.vocab_size)
     want = _hf_grads(model, tokens_P, responses, detach_prompt_kv=mode == "detached")
     got, _ = _engine_grads(model, tokens_P, responses, mode)
@@ -178,7 +165,7 @@ def test_kernel_path_wiring_equals_full_backprop(random_tiny_path, mode, monkeyp
 @every_family
 def test_detached_grads_equal_backprop_with_prompt_kv_detached(random_tiny_path, capsys):
     """(c) Detached mode equals full backprop with the K/V of all P prompt positions detached (HF hooks)."""
-    model = _lora_model(random_tiny_path)
+    model = lora_model(random_tiny_path)
     tokens_P, responses = _inputs(model.config.vocab_size)
     want = _hf_grads(model, tokens_P, responses, detach_prompt_kv=True)
     got, metrics = _engine_grads(model, tokens_P, responses, "detached")
@@ -194,7 +181,7 @@ def test_detached_grads_equal_backprop_with_prompt_kv_detached(random_tiny_path,
 
 def test_first_response_token_gets_gradient_in_detached_mode(random_qwen3_path):
     """The last prompt position is replayed live, so a loss on r_0 alone still reaches LoRA (docs/longstraw.md)."""
-    model = _lora_model(random_qwen3_path)
+    model = lora_model(random_qwen3_path)
     tokens_P, responses = _inputs(model.config.vocab_size)
     spec = UpdateSpec(mode="detached", chunk_size=7)
     grpo_update(model, tokens_P, responses[:1], lambda i, logp, ref: (-logp[0], {}), spec)
@@ -206,7 +193,7 @@ def test_first_response_token_gets_gradient_in_detached_mode(random_qwen3_path):
 @pytest.mark.parametrize("chunk_size", [P, P // 4, 7])
 def test_chunked_capture_gives_same_prefix_state(random_tiny_path, chunk_size):
     """(d) The captured prefix state does not depend on the chunk size."""
-    model = _lora_model(random_tiny_path)
+    model = lora_model(random_tiny_path)
     tokens_P, _ = _inputs(model.config.vocab_size)
     adapter = adapter_for(model)
     want = adapter.capture(tokens_P[:-1], chunk_size=P)
@@ -229,7 +216,7 @@ def test_dense_qwen3_logprobs_match_hf(tmp_path):
         initializer_range=0.05,
     )
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    model = _lora_model(str(tmp_path))
+    model = lora_model(str(tmp_path))
     tokens_P, responses = _inputs(97)
     adapter = adapter_for(model)
     with torch.no_grad():
@@ -241,7 +228,7 @@ def test_dense_qwen3_logprobs_match_hf(tmp_path):
 
 def test_replay_saves_nothing_prompt_sized(random_qwen3_path):
     """No copy or head-repeat of the prefix is saved for backward: every saved tensor is O(R), none O(P)."""
-    model = _lora_model(random_qwen3_path)
+    model = lora_model(random_qwen3_path)
     prompt_len = 301  # larger than every model dimension (hidden 64, vocab 97, experts 4 x 128)
     tokens_P, responses = _inputs(model.config.vocab_size, lengths=(4,), prompt_len=prompt_len)
     adapter = adapter_for(model)
@@ -259,7 +246,7 @@ def test_replay_saves_nothing_prompt_sized(random_qwen3_path):
 
 
 def test_resident_prefix_ages_and_is_stale_by_design(random_qwen3_path):
-    model = _lora_model(random_qwen3_path)
+    model = lora_model(random_qwen3_path)
     tokens_P, responses = _inputs(model.config.vocab_size)
     detached, _ = _engine_grads(model, tokens_P, responses, "detached")
 
@@ -287,7 +274,7 @@ def test_resident_prefix_ages_and_is_stale_by_design(random_qwen3_path):
 def test_spec_and_metrics_round_trip_pickle_and_validate(random_qwen3_path):
     spec = UpdateSpec(mode="exact", chunk_size=16, measure_graph=True)
     assert pickle.loads(pickle.dumps(spec)) == spec
-    model = _lora_model(random_qwen3_path)
+    model = lora_model(random_qwen3_path)
     tokens_P, responses = _inputs(model.config.vocab_size)
     metrics = grpo_update(model, tokens_P, responses, _objective, spec)
     assert isinstance(metrics, UpdateMetrics) and pickle.loads(pickle.dumps(metrics)) == metrics
