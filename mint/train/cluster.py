@@ -72,6 +72,8 @@ class Cluster:
     nodes: dict[str, str] = field(default_factory=dict)  # actor name -> the id of the node it runs on
     lost: str = ""  # set by the watchdog: which node left, with which actors
     engines: list = field(default_factory=list)  # EngineServer actors (rollout.engines), stopped by close()
+    context_parallel: int = 1  # longstraw.context_parallel, learner.expert_parallel: how plans map to ranks
+    expert_parallel: int = 1
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def close(self, shutdown: bool = True) -> None:
@@ -138,6 +140,8 @@ def start_cluster(
         remove_placement_group(pg)
         raise
     cluster = Cluster([], [], pg, started_ray, layout=layout, nodes=node_of, engines=engines)
+    cluster.context_parallel = config.longstraw.context_parallel
+    cluster.expert_parallel = config.learner.expert_parallel
 
     def on(slot):
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=slot.bundle)

@@ -211,10 +211,6 @@ class LearnerActor:
             model.add_module("mint_expert_parallel", _declaration(ep, layout.num_experts, name))
         return model, param_groups
 
-    def parallel_layout(self) -> tuple[int, int]:
-        """(longstraw.context_parallel, learner.expert_parallel): how the driver's plans map to ranks."""
-        return self.config.longstraw.context_parallel, self.config.learner.expert_parallel
-
     # ---- one optimizer step --------------------------------------------------------------------------------------
 
     def step(self, plan: StepPlan) -> dict:

@@ -171,7 +171,7 @@ def make_batches(config: Config, results: list[GroupResult]) -> tuple[list[Group
 def learn(cluster: Cluster, batches: list[GroupBatch], step: int) -> dict:
     """One optimizer step over the learner group; returns the ranks' sums (loss, kl, clipped, tokens), maxima, the
     global gradient norm and whether the step was skipped (a non-finite gradient: nothing changed)."""
-    cp, ep = _parallel_layout(cluster)
+    cp, ep = cluster.context_parallel, cluster.expert_parallel
     plans = plan_step(batches, len(cluster.learners), step, cp, ep)
     futures = [lr.step.remote(p) for lr, p in zip(cluster.learners, plans, strict=True)]
     per_rank = gather(futures, cluster, f"step {step}")
@@ -188,14 +188,6 @@ def learn(cluster: Cluster, batches: list[GroupBatch], step: int) -> dict:
         trust.add(r["trust"])
     sums.update(trust.metrics())
     return sums
-
-
-def _parallel_layout(cluster: Cluster) -> tuple[int, int]:
-    """The learner's (longstraw.context_parallel, learner.expert_parallel), asked of rank 0 once per cluster (the
-    driver's `learn` call does not carry the config)."""
-    if not hasattr(cluster, "parallel_layout"):
-        cluster.parallel_layout = tuple(gather([cluster.learners[0].parallel_layout.remote()], cluster, "setup")[0])
-    return cluster.parallel_layout
 
 
 def save_revision(config: Config, out: Path, store: Catalog, rev: Revision) -> Path:
