@@ -2,7 +2,7 @@
 
 Usage:
     python bench/real_shapes.py                                  # Qwen3-30B-A3B dims, 2 layers, P=1024, G=4, R=64
-    python bench/real_shapes.py --prompt-len 4096                # adds the naive full-sequence step vs exact
+    python bench/real_shapes.py --prompt-len 4096                # only the naive full-sequence step vs exact (C=256)
     python bench/real_shapes.py --shape glm45_air --layers 1
 
 Each configuration runs in a fresh process (as bench/longstraw_memory.py does; MALLOC_MMAP_THRESHOLD_=65536 on CPU):
@@ -12,6 +12,9 @@ Each configuration runs in a fresh process (as bench/longstraw_memory.py does; M
   factored      the same update, expert LoRA as x@A then @B per routed token (mint.models.lora)
   factored_ckpt the same, each layer checkpointed inside replays and prompt-backward chunks (what Mint runs)
   naive         the full-sequence step on the factored model, one sequence at a time (--prompt-len >= 2048 only)
+  <config>:tensors  the same run measured by tensor peak instead (longstraw.memory.TensorPeak, the profiler's
+                allocation log: what max_memory_allocated reports on a GPU); --prompt-len >= 2048 runs factored_ckpt
+                and naive both ways, and naive_over_exact_memory is the tensor-peak ratio (the RSS one: *_rss)
 Saved bytes are measured with saved-tensor hooks (longstraw.memory.GraphMeter); peaks with PeakMeter (RSS above a
 baseline taken after the model is built). Per-layer figures divide by --layers; `mint plan` multiplies them by the
 real layer count (mint/models/measured/<shape>.json is written with --save).
