@@ -34,11 +34,12 @@ from longstraw.scoring import token_logprobs
 from longstraw.trust import TrustCounts, icepop_status, out_of_route, trust_mask
 from mint.config import Config, norm_constant
 from mint.rl.grpo import LossSpec, per_token_objective, token_weights
+from mint.wire import TensorsAsArrays
 
 
 @dataclass(frozen=True)
-class GroupBatch:
-    """One prompt and its G responses, as the learner needs them."""
+class GroupBatch(TensorsAsArrays):
+    """One prompt and its G responses, as the learner needs them (its tensors cross Ray as numpy arrays)."""
 
     prompt_tokens_P: torch.Tensor  # int64 [P]
     responses: list[torch.Tensor]  # G x int64 [R_i], stop token included
