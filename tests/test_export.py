@@ -16,12 +16,21 @@ from mint.cli import main
 from mint.config import LoraConfig
 from mint.errors import MintError
 from mint.hub.catalog import Catalog
-from mint.hub.export import export, export_peft, fuse_experts, lora_size, split_experts
+from mint.hub.export import (
+    engine_layout,
+    export,
+    export_peft,
+    fuse_experts,
+    lora_size,
+    read_adapter_dir,
+    split_experts,
+    write_adapter_dir,
+)
 from mint.hub.integrity import verify_catalog
-from mint.hub.revisions import ADAPTER_FILE, CONFIG_FILE, base_fingerprint, read_revision_dir
+from mint.hub.revisions import ADAPTER_FILE, CONFIG_FILE, base_fingerprint, read_revision_dir, revision_id
 from mint.models.expert_lora import factor_experts
-from mint.models.lora import adapter_config_dict, add_lora, load_lora_state, lora_state
-from mint.models.specs import load_model
+from mint.models.lora import adapter_config_dict, add_lora, load_lora_state, lora_state, peft_config
+from mint.models.specs import load_model, tiny_config
 
 X = torch.tensor([[3, 17, 42, 8, 91, 5, 60, 11, 29]])
 
@@ -140,6 +149,55 @@ def test_per_expert_split_is_exact_and_serves_the_same_model(random_tiny_path, t
     _merge_per_expert_into_checkpoint(random_tiny_path, tmp_path / "per-expert", tmp_path / "merged-by-name")
     served = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged-by-name"), dtype=torch.float32).eval()
     torch.testing.assert_close(_logits(served), _logits(trained), rtol=1e-5, atol=1e-5)
+
+
+def test_engine_adapter_dirs_read_back_as_the_trained_revision(random_tiny_path, tmp_path):
+    """What a rollout actor writes for its engine (issue 13): the per-expert layout records the trained revision's id
+    and config, and `read_adapter_dir` (what `mint serve` loads) fuses it back to the very tensors of that id; the
+    peft layout is the revision as trained. A `mint export --format per-expert` directory reads back the same way."""
+    trained = _trained(random_tiny_path)
+    cat, rid = _publish(tmp_path, random_tiny_path, trained)
+    tensors, meta = cat.load(rid)
+    base_config = AutoConfig.from_pretrained(random_tiny_path)
+    record = {"run": "t", "base_fingerprint": meta.base_fingerprint}
+    for layout in ("peft", "per-expert"):
+        out = write_adapter_dir(tmp_path / layout, rid, tensors, meta.lora_config, record, layout, base_config)
+        written = load_file(str(out / ADAPTER_FILE))
+        assert (revision_id(written) == rid) == (layout == "peft")
+        assert any(".experts.0.gate_proj." in k for k in written) == (layout == "per-expert")
+        back, config, recorded = read_adapter_dir(out, base_config)
+        assert recorded["id"] == rid and recorded["format"] == layout and recorded["run"] == "t"
+        assert set(back) == set(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
+        assert config["target_parameters"] == meta.lora_config["target_parameters"]
+    export(cat, rid, tmp_path / "exported", "per-expert")
+    back, config, recorded = read_adapter_dir(tmp_path / "exported", base_config)
+    assert recorded["id"] == rid and revision_id(back) == rid
+    assert config["base_model_name_or_path"] == random_tiny_path
+    cat.close()
+
+
+def test_engine_layout_is_per_expert_only_where_the_split_is_known():
+    """auto: per-expert for expert LoRA on a Qwen-MoE base, peft without expert LoRA or on another family; an
+    explicit per-expert on GLM-MoE (unverified names) or an unknown layout is one line. The expert metadata (a meta
+    skeleton of the base) is built once per pair of configs."""
+    from mint.hub.export import _EXPERT_LORAS
+
+    def adapter(config, experts: bool) -> dict:
+        lora = peft_config(LoraConfig(target_experts=experts), config).to_dict()
+        return {k: sorted(v) if isinstance(v, set) else v for k, v in lora.items()}
+
+    qwen, glm = tiny_config("qwen3_moe", 97), tiny_config("glm4_moe", 97)
+    assert engine_layout("auto", adapter(qwen, True), qwen) == "per-expert"
+    assert engine_layout("auto", adapter(qwen, False), qwen) == "peft"
+    assert engine_layout("peft", adapter(qwen, True), qwen) == "peft"
+    assert engine_layout("auto", adapter(glm, True), glm) == "peft"
+    cached = len(_EXPERT_LORAS)
+    assert engine_layout("per-expert", adapter(qwen, True), qwen) == "per-expert" and len(_EXPERT_LORAS) == cached
+    with pytest.raises(MintError, match="not glm4_moe; use peft") as err:
+        engine_layout("per-expert", adapter(glm, True), glm)
+    assert "\n" not in str(err.value)
+    with pytest.raises(MintError, match="not one of auto, peft, per-expert"):
+        engine_layout("merged", adapter(qwen, True), qwen)
 
 
 def test_merged_export_is_written_only_on_request(random_qwen3_path, tmp_path, capsys):

@@ -6,7 +6,10 @@
 - `rollout.backend = sglang` against a small real HTTP server in this file that answers SGLang's /generate with the
   documented fields only (docs/rollout.md names the SGLang PRs they come from), sampling with the built-in engine.
 - The rollout actor's weight sync (bytes -> hash once -> adapter directory on its node -> the engine's load call)
-  through both, and one clear line for an engine that is down.
+  through both, and one clear line for an engine that is down. With expert LoRA the actor writes the per-expert
+  layout vLLM and SGLang load (rollout.adapter_layout = auto), `mint serve` fuses it back and samples exactly what the
+  built-in engine samples, `adapter_layout = peft` still writes the trained layout, and altered per-expert tensors
+  are refused with one line.
 - A training run (real Ray, DeepSpeed on gloo, 1 learner rank) with rollout.backend = vllm pointed at `mint serve`
   learns the smoke task, with every token's route replayed and the served logprobs equal to the learner's.
 """
@@ -14,6 +17,8 @@
 import base64
 import io
 import json
+import re
+import shutil
 import socket
 import threading
 import time
@@ -26,14 +31,16 @@ import uvicorn
 from conftest import build_random_tiny
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from safetensors.torch import load_file, save_file
 from test_serve import ROOT, _learner, _publish, start_server, stop_server
 
 from longstraw.routing import RouteRecorder
 from mint.config import load_config
 from mint.config.load import build_config
 from mint.errors import ConfigError
-from mint.hub import read_revision_dir, to_bytes, write_revision_dir
+from mint.hub import read_adapter_dir, revision_id, to_bytes, write_adapter_dir, write_revision_dir
 from mint.hub.catalog import Catalog
+from mint.hub.revisions import ADAPTER_FILE, CONFIG_FILE, META_FILE
 from mint.models.expert_lora import factor_experts
 from mint.models.lora import load_lora_state
 from mint.models.specs import load_model, moe_layout
@@ -217,7 +224,7 @@ class SglangFormatServer:
     async def _load(self, request: Request):
         body = await request.json()
         self.calls.append(("load", body))
-        tensors, _, _ = read_revision_dir(body["lora_path"])
+        tensors, _, _ = read_adapter_dir(body["lora_path"], self.model.config)  # peft or per-expert, as SGLang
         self.adapters[body["lora_name"]] = tensors
         return {"success": True, "message": "Success."}
 
@@ -303,23 +310,36 @@ def test_sglang_backend_without_routes_marks_them_missing(world, sglang):
     assert sglang.calls[-1][1]["return_routed_experts"] is False
 
 
+def _http_actor(world, kind: str, url: str, adapters, tmp_path, **rollout) -> RolloutActor:
+    """A rollout actor with backend `kind` fronting `url`, writing its adapter directories under `adapters`."""
+    rollout = {
+        "backend": kind,
+        "urls": [url],
+        "group_size": 2,
+        "max_tokens": 4,
+        "adapter_dir": str(adapters),
+        **rollout,
+    }
+    config = build_config({"model": {"path": world["base"]}, "rollout": rollout, "logging": {"root": str(tmp_path)}})
+    return RolloutActor(config, world["base"])
+
+
+def _revision_bytes(world, *refs: str) -> list[bytes]:
+    with Catalog(world["catalog"], create=False) as cat:
+        return [to_bytes(cat.load(r)[0]) for r in refs]
+
+
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
 def test_rollout_actor_syncs_weights_into_its_engine(world, sglang, tmp_path, kind):
-    """The actor beside an engine: learner bytes -> one hash -> a PEFT directory on its node -> the engine's load
-    call, then rollouts sample that revision (and a stale revision id is refused)."""
+    """The actor beside an engine: learner bytes -> one hash -> an adapter directory on its node (per-expert here:
+    the adapter has expert LoRA) -> the engine's load call, then rollouts sample that revision (and a stale revision
+    id is refused)."""
     url = world["url"] if kind == "vllm" else sglang.url
     adapters = world["root"] / "adapters" / f"actor-{kind}"  # under mint serve's --adapter-root
-    config = build_config(
-        {
-            "model": {"path": world["base"]},
-            "rollout": {"backend": kind, "urls": [url], "group_size": 2, "max_tokens": 4, "adapter_dir": str(adapters)},
-            "logging": {"root": str(tmp_path)},
-        }
-    )
-    actor = RolloutActor(config, world["base"])
+    actor = _http_actor(world, kind, url, adapters, tmp_path)
     assert actor.model is None and isinstance(actor.backend, VllmBackend if kind == "vllm" else SglangBackend)
-    with Catalog(world["catalog"], create=False) as cat:
-        data_a, data_b = (to_bytes(cat.load(r)[0]) for r in (world["a"], world["b"]))
+    assert actor.adapter_layout == "per-expert"
+    data_a, data_b = _revision_bytes(world, world["a"], world["b"])
     out = actor.sync_adapter(data_a)
     assert out["revision"] == world["a"] and out["sync_s"] > 0
     assert sorted(p.name for p in (adapters / "actor_0").iterdir()) == [f"rev_{world['a']}"]
@@ -333,6 +353,126 @@ def test_rollout_actor_syncs_weights_into_its_engine(world, sglang, tmp_path, ki
     with pytest.raises(Exception, match="holds revision"):
         actor.rollout(examples, seed=5, revision=world["a"])
     actor.backend.close()
+
+
+PER_EXPERT_KEY = re.compile(
+    r"base_model\.model\.model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.lora_[AB]\.weight"
+)
+
+
+def _written(directory):
+    """(tensors, adapter_config, mint_revision.json) of an adapter directory as written, read without any check."""
+    return (
+        load_file(str(directory / ADAPTER_FILE)),
+        json.loads((directory / CONFIG_FILE).read_text()),
+        json.loads((directory / META_FILE).read_text()),
+    )
+
+
+@pytest.mark.parametrize("layout", ["auto", "peft"])
+def test_rollout_actor_writes_the_layout_its_engine_loads(world, tmp_path, layout):
+    """Expert LoRA on (the world's adapters have it) and backend vllm: auto writes the per-expert layout vLLM loads
+    (`experts.{e}.gate_proj/up_proj/down_proj` 2-D LoRA, no fused target_parameters), recording the trained
+    revision's id; peft writes the trained layout. `mint serve` loads either, and samples exactly what the built-in
+    engine samples with that revision."""
+    a, b = world["a"], world["b"]
+    adapters = world["root"] / "adapters" / f"actor-layout-{layout}"
+    actor = _http_actor(world, "vllm", world["url"], adapters, tmp_path, adapter_layout=layout)
+    try:
+        assert actor.adapter_layout == ("per-expert" if layout == "auto" else "peft")
+        data_a, data_b = _revision_bytes(world, a, b)
+        assert actor.sync_adapter(data_b)["revision"] == b  # b first, so a is then read from the new directory
+        assert actor.sync_adapter(data_a)["revision"] == a
+        tensors, config, meta = _written(adapters / "actor_0" / f"rev_{a}")
+        expert_keys = [k for k in tensors if ".mlp.experts." in k]
+        base_config = load_model(world["base"]).config
+        assert meta["id"] == a
+        if layout == "auto":
+            L, E = base_config.num_hidden_layers, base_config.num_experts
+            assert len(expert_keys) == L * E * 6 and all(PER_EXPERT_KEY.fullmatch(k) for k in expert_keys)
+            assert "base_model.model.model.layers.1.mlp.experts.3.gate_proj.lora_A.weight" in tensors
+            assert config["target_parameters"] is None and {"gate_proj", "up_proj", "down_proj"} <= set(
+                config["target_modules"]
+            )
+            assert meta["format"] == "per-expert" and meta["lora_config"]["target_parameters"]
+            assert revision_id(tensors) != a  # the recorded id is the trained revision's, checked after fusing back
+        else:
+            assert expert_keys and not any(PER_EXPERT_KEY.fullmatch(k) for k in expert_keys)
+            assert config["target_parameters"] and config == actor.adapter_config  # mlp.experts.gate_up_proj, ...
+            assert meta["format"] == "peft" and revision_id(tensors) == a
+        served = httpx.get(world["url"] + "/v1/models").json()["data"]
+        assert [(m["id"], m["root"]) for m in served if m["parent"]] == [("mint-policy", a)]
+        got = actor.backend.generate(PROMPTS, G, PARAMS, seed=11)
+        engine_a = _engine(world, a)
+        for i, (prompt, group) in enumerate(zip(PROMPTS, got, strict=True)):
+            _same_groups(group, engine_a.generate([prompt], G, PARAMS, seed=group_seed(11, i))[0])
+    finally:
+        actor.backend.close()
+
+
+def test_per_expert_on_a_family_the_split_does_not_know_stops_the_actor(world, tmp_path):
+    """GLM-MoE expert LoRA: auto falls back to the peft layout (its per-expert names are unverified), and an explicit
+    rollout.adapter_layout = per-expert is a one-line ConfigError at actor start."""
+    glm = build_random_tiny("glm4_moe", str(tmp_path / "glm"), vocab_size=VOCAB_SIZE)
+    build_tokenizer().save_pretrained(glm)
+    glm_world = {**world, "base": glm}
+    actor = _http_actor(glm_world, "vllm", world["url"], tmp_path / "adapters", tmp_path)
+    assert actor.adapter_layout == "peft" and actor.adapter_config["target_parameters"]
+    actor.backend.close()
+    with pytest.raises(ConfigError, match=r"rollout\.adapter_layout: per-expert knows the Qwen-MoE layout") as err:
+        _http_actor(glm_world, "vllm", world["url"], tmp_path / "adapters", tmp_path, adapter_layout="per-expert")
+    assert "\n" not in str(err.value)
+
+
+def test_mint_serve_refuses_an_altered_per_expert_directory(world):
+    """A per-expert directory is fused back and hash-checked against the id it records: one changed value, a
+    gate_proj A that no longer equals its up_proj A, or a missing expert key is a one-line 400, and a merged export
+    is still refused. The unaltered directory loads as revision a."""
+    base_config = load_model(world["base"]).config
+    with Catalog(world["catalog"], create=False) as cat:
+        tensors, meta = cat.load(world["a"])
+    root = world["root"] / "adapters"
+    record = {"base_fingerprint": meta.base_fingerprint}
+    good = write_adapter_dir(root / "pe-good", world["a"], tensors, meta.lora_config, record, "per-expert", base_config)
+    prefix = "base_model.model.model.layers.0.mlp.experts.2"
+
+    def altered(name: str, change) -> str:
+        out = root / name
+        shutil.copytree(good, out)
+        split, _, record = _written(out)
+        change(split, record)
+        for f in out.iterdir():
+            f.chmod(0o644)
+        save_file(split, str(out / ADAPTER_FILE))
+        (out / META_FILE).write_text(json.dumps(record))
+        return str(out)
+
+    def bump(split, record):
+        split[f"{prefix}.down_proj.lora_B.weight"][0, 0] += 1e-3
+
+    def bump_gate_a(split, record):
+        split[f"{prefix}.gate_proj.lora_A.weight"][0, 0] += 1e-3
+
+    def drop(split, record):
+        del split[f"{prefix}.up_proj.lora_B.weight"]
+
+    def merged(split, record):
+        record["format"] = "merged"
+
+    def load(name: str, path: str):
+        return httpx.post(
+            world["url"] + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=60
+        )
+
+    cases = [(bump, "refusing to load"), (bump_gate_a, "LoRA A differ"), (drop, "do not fuse back"), (merged, "merged")]
+    for change, reason in cases:
+        r = load("pe-bad", altered(f"pe-{change.__name__}", change))
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and reason in message and "\n" not in message, (change.__name__, message)
+    assert load("pe-good", str(good)).json()["revision"] == world["a"]
+    models = [m["id"] for m in httpx.get(world["url"] + "/v1/models").json()["data"]]
+    assert "pe-bad" not in models and "pe-good" in models
+    assert httpx.post(world["url"] + "/v1/unload_lora_adapter", json={"lora_name": "pe-good"}).status_code == 200
 
 
 @pytest.mark.slow

@@ -122,6 +122,13 @@ class RolloutConfig:
         "vllm/sglang: where each rollout actor writes the adapter directory its engines load (a path on the "
         "actor's node that the engine can read); empty: <run dir>/engine_adapters.",
     )
+    adapter_layout: str = knob(
+        "auto",
+        "vllm/sglang: the layout of the adapter directory a rollout actor writes. per-expert: fused expert LoRA "
+        "split per expert (gate/up/down_proj), as vLLM and SGLang load it; peft: as trained (`mint serve` loads "
+        "both); auto: per-expert when LoRA is on the experts of a Qwen-MoE base, else peft (docs/rollout.md).",
+        choices=("auto", "peft", "per-expert"),
+    )
     engines: int = knob(
         0,
         "vllm/sglang: engine servers the run starts as Ray actors (their URLs replace rollout.urls; see "
@@ -131,10 +138,18 @@ class RolloutConfig:
     engine_command: str = knob(
         "",
         "rollout.engines: each server's launch line; {python} {model} {host} {port} {tp} {max_lora_rank} "
-        "{adapter_dir} {index} are filled in. Empty: the backend's vLLM / SGLang line (docs/rollout.md).",
+        "{lora_modules} (LoRA's modules, per-expert names included) {adapter_dir} {index} are filled in. Empty: "
+        "the backend's vLLM / SGLang line (docs/rollout.md).",
     )
     engine_tp: int = knob(1, "rollout.engines: tensor-parallel size (GPUs with ray.rollout_gpus > 0) of each.", min=1)
     engine_start_timeout: float = knob(900.0, "rollout.engines: seconds an engine may take to answer /health.", gt=0.0)
+    engine_restarts: int = knob(
+        2,
+        "rollout.engines: times the run restarts each engine server it started when it dies (same host and port; "
+        "the rollout actors load their revision on it again and the failed rollout or sync is redone). Past that, "
+        "or with servers from rollout.urls, a dead engine ends the run with one line.",
+        min=0,
+    )
 
     def __post_init__(self):
         from mint.errors import ConfigError
@@ -158,7 +173,8 @@ class RolloutConfig:
                 f"rollout.num_actors: {self.num_actors} actors for {n_engines} engine(s); each actor fronts at "
                 "least one engine, so use rollout.num_actors <= len(rollout.urls) or rollout.engines"
             )
-        fill = dict.fromkeys(("python", "model", "host", "port", "tp", "max_lora_rank", "adapter_dir", "index"), "")
+        keys = ("python", "model", "host", "port", "tp", "max_lora_rank", "lora_modules", "adapter_dir", "index")
+        fill = dict.fromkeys(keys, "")
         try:
             self.engine_command.format(**fill)
         except (KeyError, IndexError, ValueError) as err:
@@ -472,6 +488,7 @@ RESULT_NEUTRAL = (
     "rollout.engines",  # the engines' count, launch line and start timeout: where they run, as rollout.urls
     "rollout.engine_command",
     "rollout.engine_start_timeout",
+    "rollout.engine_restarts",
 )
 
 

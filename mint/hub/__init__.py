@@ -8,7 +8,10 @@ its modules, and a test enforces it). MinT stands on its own: it never imports t
     require_local_fs(path)        refuse a network filesystem for the catalog (SQLite WAL)
     RevisionMeta                  a revision's metadata (id, parent, step, run, recipe hash, base, metrics)
     read_revision_dir(path)       a revision directory's tensors and metadata, hash-verified
-    write_revision_dir(path, ...) write one (PEFT layout, atomically): what a rollout actor hands its engine
+    write_revision_dir(path, ...) write one (PEFT layout, atomically)
+    engine_layout(...)            the layout an engine is handed: peft, or per-expert (vLLM/SGLang expert LoRA)
+    write_adapter_dir(path, ...)  a revision in that layout, atomically: what a rollout actor hands its engine
+    read_adapter_dir(path, cfg)   either layout back in the trained one, hash-checked (what `mint serve` loads)
     revision_id(tensors)          sha256 of the canonical tensors: the id
     to_bytes / from_bytes         safetensors bytes of a LoRA state (what crosses Ray)
     base_fingerprint(spec)        identity of a base model's weights
@@ -41,6 +44,9 @@ _EXPORTS = {
     "read_step": "mint.hub.records",
     "export": "mint.hub.export",
     "export_peft": "mint.hub.export",
+    "engine_layout": "mint.hub.export",
+    "write_adapter_dir": "mint.hub.export",
+    "read_adapter_dir": "mint.hub.export",
     "verify_catalog": "mint.hub.integrity",
     "serve": "mint.hub.serve",
     "add_parsers": "mint.hub.cli",

@@ -1,9 +1,10 @@
 """The served model: one frozen base, the revisions resident over it as PEFT adapters, and where they may come from.
 
-A revision loads from the catalog (id, id prefix, name, RUN@STEP) or from a directory `mint export --format peft`
-wrote, under the `--adapter-root` given at start (symlinks resolved first, so nothing outside the root is read).
-Either way its tensors must hash to its id and its base fingerprint must match the served base; adapters are
-safetensors, requests are JSON, nothing is unpickled.
+A revision loads from the catalog (id, id prefix, name, RUN@STEP) or from a directory under the `--adapter-root` given
+at start (symlinks resolved first, so nothing outside the root is read): a peft or per-expert one, as `mint export`
+or a rollout actor writes it. A per-expert directory is fused back into the trained layout first, as vLLM loads that
+layout (`mint.hub.export.read_adapter_dir`). Either way its tensors must hash to its id and its base fingerprint must
+match the served base; adapters are safetensors, requests are JSON, nothing is unpickled.
 
 Adapter changes and decoding never overlap: the decode worker holds `lock` for a whole batch, and a change first
 raises `writers` so the worker admits nothing new, lets the batch drain, and waits before starting the next one.
@@ -150,9 +151,10 @@ class AdapterHost:
         return tensors, meta.id, meta.lora_config
 
     def _read_dir(self, ref: str):
-        """A `mint export --format peft` directory under the adapter root, hash-checked against its recorded id."""
-        from mint.hub.export import check_base
-        from mint.hub.revisions import META_FILE, RevisionMeta, read_revision_dir
+        """A peft or per-expert directory under the adapter root, in the trained layout (a per-expert one fused back)
+        and hash-checked against its recorded id; a merged export is refused."""
+        from mint.hub.export import check_base, read_adapter_dir
+        from mint.hub.revisions import META_FILE, RevisionMeta
 
         if self.adapter_root is None:
             raise HttpError(
@@ -167,9 +169,7 @@ class AdapterHost:
         if not os.path.isdir(path):
             raise HttpError(404, f"{ref!r}: no such adapter directory under --adapter-root", "lora_path")
         try:
-            tensors, lora_config, meta = read_revision_dir(Path(path))  # tensors hash to the recorded id
-            if meta.get("format", "peft") != "peft":
-                raise MintError(f"{ref}: a {meta['format']} export; serve the peft export (or the catalog revision)")
+            tensors, lora_config, meta = read_adapter_dir(Path(path), self.model.config)  # hash == recorded id
             check_base(
                 RevisionMeta.from_dict({"run": "", "step": 0, "parent": None, "created": 0, **meta}), self.base_path
             )

@@ -50,11 +50,9 @@ from mint.hub._schema import (
 from mint.hub.revisions import (
     ADAPTER_FILE,
     RevisionMeta,
-    describe_nonfinite,
-    nonfinite_counts,
+    publishable_id,
     read_adapter_bytes,
     read_revision_dir,
-    revision_id,
     write_revision_dir,
 )
 
@@ -148,6 +146,8 @@ class Catalog:
         db.execute("INSERT OR IGNORE INTO lora_configs VALUES (?, ?)", (digest, text))
         return digest
 
+    admit = staticmethod(publishable_id)  # the id put() will give tensors; NaN/inf refused in one line
+
     def put(
         self,
         tensors: dict[str, torch.Tensor],
@@ -163,12 +163,8 @@ class Catalog:
     ) -> RevisionMeta:
         """Publish tensors as a revision and return its entry. Idempotent: the same tensors are the same revision,
         and the first publish's metadata stands. The parent must already be in this catalog (so lineage is acyclic).
-        Tensors holding any NaN or inf are refused before anything is written.
-        """
-        bad = nonfinite_counts(tensors)
-        if bad:  # a diverged update: serving or resuming from it can only spread the NaNs
-            raise MintError(f"run {run} step {step}: refusing to publish {describe_nonfinite(bad)}; nothing written")
-        rid = revision_id(tensors)
+        Tensors holding any NaN or inf are refused before anything is written (`admit`)."""
+        rid = publishable_id(tensors, run, step)
         existing = self.find(rid)
         if existing is not None and existing.stored:
             return existing

@@ -18,6 +18,11 @@ scale * B_e @ A_e, shape (out, in). gate_up_proj's out rows are [gate (I); up (I
 `gate, up = linear(x, W_e).chunk(2)`), so gate_proj and up_proj share A_e and take the two halves of B_e.
 `fuse_experts` inverts `split_experts` bit for bit; tests check both that and the logits of a checkpoint merged from
 the per-expert keys through transformers' own per-expert -> fused loader.
+
+Engine directories: a rollout actor writes each revision in the layout its engine loads (`engine_layout`,
+`write_adapter_dir`), and `mint serve` reads either layout back (`read_adapter_dir`). A per-expert directory records
+the trained (fused) revision's id and adapter config in mint_revision.json, so a reader fuses it back and checks the
+hash against that id: the per-expert tensors themselves hash to something else.
 """
 
 from __future__ import annotations
@@ -38,9 +43,20 @@ from safetensors.torch import save_file
 
 from mint.errors import MintError
 from mint.hub.catalog import Catalog
-from mint.hub.revisions import ADAPTER_FILE, CONFIG_FILE, META_FILE, RevisionMeta, base_fingerprint, fsync_dir
+from mint.hub.revisions import (
+    ADAPTER_FILE,
+    CONFIG_FILE,
+    META_FILE,
+    RevisionMeta,
+    base_fingerprint,
+    check_revision_id,
+    fsync_dir,
+    read_revision_files,
+    write_revision_dir,
+)
 
 FORMATS = ("peft", "per-expert", "merged")
+ENGINE_LAYOUTS = ("auto", "peft", "per-expert")  # what a rollout actor may write for its engine
 PER_EXPERT_FAMILIES = ("qwen2_moe", "qwen3_moe")  # fused gate_up rows are [gate; up] in these
 _PEFT_PREFIX = "base_model.model."
 
@@ -139,21 +155,33 @@ def peft_lora_config(adapter_config: dict):
     return LoraConfig(**{k: v for k, v in adapter_config.items() if k in names})
 
 
+# (base config JSON, adapter config JSON) -> its expert LoRAs. The skeleton costs seconds at 30B-A3B's 48 layers, and
+# a rollout actor or a server splits or fuses every revision of a run with the same two configs.
+_EXPERT_LORAS: dict[tuple[str, str], tuple[ExpertLora, ...]] = {}
+
+
 def expert_loras(base_config, adapter_config: dict) -> list[ExpertLora]:
     """Which PEFT module carries which fused expert parameter, read off a meta-device skeleton of the base wrapped
-    exactly as PEFT wraps it (so nesting order is never guessed)."""
+    exactly as PEFT wraps it (so nesting order is never guessed). Built once per pair of configs in a process."""
     if not adapter_config.get("target_parameters"):
         return []
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
+    to_json = getattr(base_config, "to_json_string", None)
+    key = (to_json(use_diff=False), json.dumps(adapter_config, sort_keys=True, default=str)) if to_json else None
+    if key is None or key not in _EXPERT_LORAS:
+        from peft import get_peft_model
+        from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        skeleton = get_peft_model(AutoModelForCausalLM.from_config(base_config), peft_lora_config(adapter_config))
-    return [
-        ExpertLora(name, module.parameter_name, int(module.num_experts))
-        for name, module in skeleton.named_modules()
-        if hasattr(module, "parameter_name") and getattr(module, "num_experts", 1) > 1
-    ]
+        with torch.device("meta"):
+            skeleton = get_peft_model(AutoModelForCausalLM.from_config(base_config), peft_lora_config(adapter_config))
+        found = tuple(
+            ExpertLora(name, module.parameter_name, int(module.num_experts))
+            for name, module in skeleton.named_modules()
+            if hasattr(module, "parameter_name") and getattr(module, "num_experts", 1) > 1
+        )
+        if key is None:
+            return list(found)
+        _EXPERT_LORAS[key] = found
+    return list(_EXPERT_LORAS[key])
 
 
 def _expert_prefix(module: str) -> str:
@@ -176,21 +204,27 @@ def split_experts(
         a, b = out.pop(f"{ex.module}.lora_A.weight"), out.pop(f"{ex.module}.lora_B.weight")
         E = ex.num_experts
         r = a.shape[0] // E
-        a_E_r_in = a.reshape(E, r, a.shape[-1])
-        b_out_r_E = b.reshape(b.shape[0], r, E)
+        if ex.parameter not in ("gate_up_proj", "down_proj"):
+            raise MintError(f"per-expert export: unknown fused expert parameter {ex.parameter}")
+        # The per-expert tensors are disjoint views of one copy of A per projection and of B transposed once to
+        # (E, out, r): a clone per expert (768 small allocations per layer at 30B-A3B's 128 experts) made the split
+        # several times slower, and E strided column gathers of B slower still. safetensors writes disjoint views of
+        # one storage as separate tensors; the same view under two names it refuses, hence gate_proj's own A.
+        a_E_r_in = a.reshape(E, r, a.shape[-1]).contiguous()
+        b_E_out_r = b.reshape(b.shape[0], r, E).permute(2, 0, 1).contiguous()
+        if ex.parameter == "gate_up_proj":
+            half = b_E_out_r.shape[1] // 2
+            parts = {
+                "gate_proj": (a_E_r_in.clone(), b_E_out_r[:, :half]),
+                "up_proj": (a_E_r_in, b_E_out_r[:, half:]),
+            }
+        else:
+            parts = {"down_proj": (a_E_r_in, b_E_out_r)}
         prefix = _expert_prefix(ex.module)
         for e in range(E):
-            a_e, b_e = a_E_r_in[e].contiguous(), b_out_r_E[:, :, e].contiguous()
-            if ex.parameter == "gate_up_proj":
-                half = b_e.shape[0] // 2
-                parts = {"gate_proj": b_e[:half], "up_proj": b_e[half:]}
-            elif ex.parameter == "down_proj":
-                parts = {"down_proj": b_e}
-            else:
-                raise MintError(f"per-expert export: unknown fused expert parameter {ex.parameter}")
-            for proj, b_part in parts.items():
-                out[f"{prefix}.{e}.{proj}.lora_A.weight"] = a_e.clone()
-                out[f"{prefix}.{e}.{proj}.lora_B.weight"] = b_part.contiguous()
+            for proj, (a_E, b_E) in parts.items():
+                out[f"{prefix}.{e}.{proj}.lora_A.weight"] = a_E[e]
+                out[f"{prefix}.{e}.{proj}.lora_B.weight"] = b_E[e]
     config = dict(adapter_config)
     if experts:
         config["target_modules"] = sorted(
@@ -204,18 +238,105 @@ def fuse_experts(per_expert: dict[str, torch.Tensor], adapter_config: dict, base
     """The exact inverse of `split_experts`, given the fused adapter config. Raises if the shared A's disagree."""
     out = dict(per_expert)
     for ex in expert_loras(base_config, adapter_config):
-        prefix = _expert_prefix(ex.module)
+        prefix, E = _expert_prefix(ex.module), ex.num_experts
         projs = ("gate_proj", "up_proj") if ex.parameter == "gate_up_proj" else ("down_proj",)
-        a_rows, b_cols = [], []
-        for e in range(ex.num_experts):
-            a_e = [out.pop(f"{prefix}.{e}.{p}.lora_A.weight") for p in projs]
-            if any(not torch.equal(a_e[0], other) for other in a_e[1:]):
+
+        def take(proj: str, factor: str, prefix=prefix, E=E) -> torch.Tensor:  # (E, ...) in expert order
+            return torch.stack([out.pop(f"{prefix}.{e}.{proj}.lora_{factor}.weight") for e in range(E)])
+
+        # Whole stacks per projection: a few large copies instead of E small concatenations and comparisons.
+        a_E_r_in = [take(p, "A") for p in projs]
+        for other in a_E_r_in[1:]:
+            if not torch.equal(a_E_r_in[0], other):
+                e = next(e for e in range(E) if not torch.equal(a_E_r_in[0][e], other[e]))
                 raise MintError(f"{prefix}.{e}: gate_proj and up_proj LoRA A differ; not a split of a fused adapter")
-            a_rows.append(a_e[0])
-            b_cols.append(torch.cat([out.pop(f"{prefix}.{e}.{p}.lora_B.weight") for p in projs], dim=0))
-        out[f"{ex.module}.lora_A.weight"] = torch.cat(a_rows, dim=0)  # (E*r, in), expert-major
-        out[f"{ex.module}.lora_B.weight"] = torch.stack(b_cols, dim=-1).flatten(1)  # (out, r*E), expert-minor
+        b_E_out_r = torch.cat([take(p, "B") for p in projs], dim=1)  # gate_up's out rows are [gate; up]
+        out[f"{ex.module}.lora_A.weight"] = a_E_r_in[0].flatten(0, 1)  # (E*r, in), expert-major
+        # one transposing copy to (out, r*E), expert-minor
+        out[f"{ex.module}.lora_B.weight"] = b_E_out_r.permute(1, 2, 0).reshape(b_E_out_r.shape[1], -1)
     return out
+
+
+# ---- engine directories (a rollout actor writes one per revision; `mint serve` reads both layouts) ----------------
+
+
+def engine_layout(requested: str, adapter_config: dict, base_config) -> str:
+    """The layout of the adapter directory an engine is handed: "peft" (as trained) or "per-expert".
+
+    auto: per-expert when the adapter has LoRA on fused experts (`target_parameters`) of a family `split_experts`
+    knows, which is the layout vLLM and SGLang load expert LoRA in; peft otherwise (without expert LoRA both layouts
+    hold the same keys, and another family's per-expert names are unverified). An explicit per-expert request on a
+    family the split does not know is refused.
+    """
+    if requested not in ENGINE_LAYOUTS:
+        raise MintError(f"adapter layout {requested!r} is not one of {', '.join(ENGINE_LAYOUTS)}")
+    family = getattr(base_config, "model_type", "")
+    experts = expert_loras(base_config, adapter_config)
+    if requested == "auto":
+        return "per-expert" if experts and family in PER_EXPERT_FAMILIES else "peft"
+    if requested == "per-expert" and experts and family not in PER_EXPERT_FAMILIES:
+        raise MintError(
+            f"per-expert knows the Qwen-MoE layout ({', '.join(PER_EXPERT_FAMILIES)}), not {family}; use peft"
+        )
+    return requested
+
+
+def write_adapter_dir(
+    target: str | Path,
+    revision: str,
+    tensors: dict[str, torch.Tensor],
+    adapter_config: dict,
+    meta: dict,
+    layout: str,
+    base_config,
+) -> Path:
+    """Write revision `revision` (its trained tensors and adapter config) as an engine's adapter directory in
+    `layout` ("peft" or "per-expert"), atomically through `write_revision_dir`. An existing target is kept and not
+    split again. mint_revision.json records `meta`, the format, and the trained revision's id; a per-expert one also
+    records the trained adapter config (`lora_config`), which `read_adapter_dir` needs to fuse it back."""
+    target = Path(target)
+    if target.exists():
+        return target
+    record = {**meta, "format": layout}
+    if layout == "per-expert":
+        tensors, engine_config = split_experts(tensors, adapter_config, base_config)
+        record["lora_config"] = adapter_config
+    elif layout == "peft":
+        engine_config = adapter_config
+    else:
+        raise MintError(f"adapter layout {layout!r} is not peft or per-expert")
+    write_revision_dir(target, tensors, engine_config, record, revision=revision)
+    return target
+
+
+def read_adapter_dir(path: str | Path, base_config) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """(tensors, adapter config, meta) of a peft or per-expert revision directory, in the trained (PEFT) layout and
+    checked against the revision id it records: a per-expert directory is fused back first (`fuse_experts`, exact),
+    so one altered value anywhere fails the hash. Merged checkpoints and anything else are refused, one line each."""
+    path = Path(path)
+    tensors, config, meta = read_revision_files(path)
+    fmt = meta.get("format", "peft")
+    if fmt == "per-expert":
+        trained = meta.get("lora_config")
+        if not isinstance(trained, dict) or not trained:
+            raise MintError(
+                f"{path}: a per-expert directory without the trained adapter config (lora_config in {META_FILE})"
+            )
+        try:
+            tensors = fuse_experts(tensors, trained, base_config)
+        except MintError as err:  # gate_proj and up_proj carry different A's
+            raise MintError(f"{path}: {err}; refusing to load") from None
+        except (KeyError, RuntimeError, ValueError) as err:  # a missing key, or shapes that do not stack
+            detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise MintError(f"{path}: per-expert tensors do not fuse back ({detail}); refusing to load") from None
+        config = {
+            **trained,
+            "base_model_name_or_path": config.get("base_model_name_or_path", trained.get("base_model_name_or_path")),
+        }
+    elif fmt != "peft":
+        raise MintError(f"{path}: a {fmt} export; serve a peft or per-expert export (or the catalog revision)")
+    check_revision_id(path, tensors, meta.get("id"))
+    return tensors, config, meta
 
 
 def export_per_expert(catalog: Catalog, ref: str, out: str | Path, base: str | None = None) -> Path:

@@ -85,6 +85,14 @@ def describe_nonfinite(counts: dict[str, int]) -> str:
     return f"{sum(counts.values()):,} non-finite values (NaN or inf), first in {first} ({counts[first]:,})"
 
 
+def publishable_id(tensors: dict[str, torch.Tensor], run: str, step: int) -> str:
+    """The id these tensors publish under; one line, before anything is written, for any NaN or inf."""
+    bad = nonfinite_counts(tensors)
+    if bad:  # a diverged update: serving or resuming from it can only spread the NaNs
+        raise MintError(f"run {run} step {step}: refusing to publish {describe_nonfinite(bad)}; nothing written")
+    return revision_id(tensors)
+
+
 def to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     """safetensors bytes: what travels through the Ray object store as the weight sync."""
     return st_save({k: v.contiguous() for k, v in tensors.items()})
@@ -150,14 +158,20 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_revision_dir(
-    target: Path, tensors: dict[str, torch.Tensor], adapter_config: dict[str, Any], meta: dict[str, Any]
+    target: Path,
+    tensors: dict[str, torch.Tensor],
+    adapter_config: dict[str, Any],
+    meta: dict[str, Any],
+    revision: str | None = None,
 ) -> str:
     """Write a PEFT-loadable revision directory atomically; returns the revision id. An existing target is kept.
 
-    `meta` is stored in mint_revision.json with `id` (and `created`, unless given) added.
+    `meta` is stored in mint_revision.json with `id` (and `created`, unless given) added. The id is `revision` when
+    given (a caller that has just hashed or verified the tensors, or the trained revision of a re-layout such as the
+    per-expert split, whose own tensors hash differently), else the tensors' hash.
     """
     target = Path(target)
-    rev = revision_id(tensors)
+    rev = revision or revision_id(tensors)
     if target.exists():
         return rev
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -191,6 +205,16 @@ def read_revision_dir(
     (default: the id recorded in mint_revision.json).
     """
     path = Path(path)
+    tensors, adapter_config, meta = read_revision_files(path)
+    check_revision_id(path, tensors, expect_id or meta.get("id"))
+    return tensors, adapter_config, meta
+
+
+def read_revision_files(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(tensors, adapter_config, meta) of a revision directory, parsed but NOT hash-checked: for a reader that must
+    re-lay the tensors out first (a per-expert directory, `mint.hub.export.read_adapter_dir`) and then calls
+    `check_revision_id`. Raises a one-line MintError for a missing, partial or unparsable file."""
+    path = Path(path)
     for name in (ADAPTER_FILE, CONFIG_FILE, META_FILE):
         if not (path / name).is_file():
             raise MintError(f"{path}: not a complete revision ({name} is missing)")
@@ -199,8 +223,9 @@ def read_revision_dir(
         meta = json.loads((path / META_FILE).read_text())
     except (OSError, ValueError) as err:
         raise MintError(f"{path}: unreadable revision metadata ({_one_line(err)})") from None
+    if not isinstance(adapter_config, dict) or not isinstance(meta, dict):
+        raise MintError(f"{path}: unreadable revision metadata (not a JSON object)")
     tensors = _parse_adapter(path / ADAPTER_FILE, lambda: st_load_file(str(path / ADAPTER_FILE)))
-    _check_id(path, tensors, expect_id or meta.get("id"))
     return tensors, adapter_config, meta
 
 
@@ -214,7 +239,7 @@ def read_adapter_bytes(path: Path, expect_id: str) -> bytes:
         data = (path / ADAPTER_FILE).read_bytes()
     except OSError as err:
         raise MintError(f"{path}: not a complete revision ({ADAPTER_FILE}: {err.strerror})") from None
-    _check_id(path, _parse_adapter(path / ADAPTER_FILE, lambda: st_load(data)), expect_id)
+    check_revision_id(path, _parse_adapter(path / ADAPTER_FILE, lambda: st_load(data)), expect_id)
     return data
 
 
@@ -225,7 +250,8 @@ def _parse_adapter(file: Path, load) -> dict[str, torch.Tensor]:
         raise MintError(f"{file}: unreadable safetensors, partial or corrupt write ({_one_line(err)})") from None
 
 
-def _check_id(path: Path, tensors: dict[str, torch.Tensor], expected: str | None) -> None:
+def check_revision_id(path: Path, tensors: dict[str, torch.Tensor], expected: str | None) -> None:
+    """Refuse (one-line MintError) tensors that do not hash to revision `expected`."""
     actual = revision_id(tensors)
     if actual != expected:
         raise MintError(

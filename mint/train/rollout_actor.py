@@ -6,9 +6,11 @@ holds only the tokenizer; `mint.rollout.backends` speaks their protocols.
 
 Weight sync is a revision publish. `sync_adapter` takes the revision's safetensors bytes straight from the learner
 (an object ref: no driver hop), hashes them once (that hash is the revision id), and installs them: into the
-in-process adapter, or as a PEFT directory written on this actor's node that its engines load (load_inplace on
-vLLM) before the call returns, so no later request samples the old revision. `load_adapter` does the same for bytes
-whose id is already known (checkpoint restore, a restarted actor) and refuses bytes that do not hash to it.
+in-process adapter, or as a directory written on this actor's node in the layout its engines load (per-expert for
+expert LoRA on vLLM/SGLang, else PEFT: rollout.adapter_layout), loaded there (load_inplace on vLLM) before the call
+returns, so no later request samples the old revision. `load_adapter` does the same for bytes whose id is already
+known (checkpoint restore, a restarted actor, the overlapped loop) and refuses bytes that do not hash to it.
+`reinstall(url)` loads the current revision again on one engine that was restarted.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ class RolloutActor:
         from transformers import AutoConfig
 
         from mint.config import run_dir
-        from mint.hub import base_fingerprint
+        from mint.hub import base_fingerprint, engine_layout
         from mint.models.lora import peft_config
         from mint.models.specs import moe_layout
         from mint.rollout.backends import http_backend
@@ -131,8 +133,14 @@ class RolloutActor:
             "run": config.logging.name,
             "base_model": config.model.path,
             "base_fingerprint": base_fingerprint(model_path),
-            "format": "peft",
         }
+        # The layout the engine loads (per-expert for vLLM/SGLang expert LoRA), decided once; so is the expert
+        # metadata the split reads (a meta-device skeleton of the base, cached by mint.hub per process).
+        self.base_config = model_config
+        try:
+            self.adapter_layout = engine_layout(r.adapter_layout, self.adapter_config, model_config)
+        except MintError as err:
+            raise ConfigError(f"rollout.adapter_layout: {err}") from None
         return model_config.max_position_embeddings
 
     def pid(self) -> int:
@@ -185,16 +193,29 @@ class RolloutActor:
         self._install(revision, tensors)
         return {"revision": revision, "sync_s": time.perf_counter() - t0}
 
+    def reinstall(self, url: str) -> bool:
+        """Load the current revision again on engine `url` only: the run restarted that server, which lost its
+        adapters (mint.train.engines.revive_engines). The revision's directory is still on this node (`_install`
+        keeps the current one). False when this actor does not front `url` or holds no revision yet (the new
+        server then serves the base, as the old one did)."""
+        url = url.rstrip("/")
+        if self.config.rollout.backend == "builtin" or self.revision is None or url not in self.backend.urls:
+            return False
+        self.backend.load_on(url, self.revision, self.adapter_root / f"rev_{self.revision}")
+        return True
+
     def _install(self, revision: str, tensors: dict) -> None:
-        """Make `revision` the adapter every later sample uses: in process, or on the engines through a PEFT
-        directory on this node (written atomically; the current and the previous revision's directories stay)."""
+        """Make `revision` the adapter every later sample uses: in process, or on the engines through a directory on
+        this node in the layout they load (`rollout.adapter_layout`; split once per revision, written atomically; the
+        current and the previous revision's directories stay)."""
         if self.config.rollout.backend == "builtin":
             self.backend.load_tensors(tensors)
         elif revision != self.revision:
-            from mint.hub import write_revision_dir
+            from mint.hub import write_adapter_dir
 
             target = self.adapter_root / f"rev_{revision}"
-            write_revision_dir(target, tensors, self.adapter_config, self.adapter_meta)
+            layout, base = self.adapter_layout, self.base_config
+            write_adapter_dir(target, revision, tensors, self.adapter_config, self.adapter_meta, layout, base)
             self.backend.load_adapter(revision, target)
             keep = {target.name} | ({f"rev_{self.revision}"} if self.revision else set())
             for old in self.adapter_root.glob("rev_*"):
