@@ -4,24 +4,37 @@
   EngineServer actor from rollout.engine_command, fronted by the rollout actor, learns the smoke task, and no server
   process is left once the run has ended.
 - An engine command that exits at once stops the run with one line naming the engine and its log.
-- A server that dies mid-run ends the run with one line naming the engine and its log.
+- A server killed mid-run is restarted on the same URL (rollout.engine_restarts), the rollout actor loads its revision
+  on it again, and the run finishes every step with the learner's logprobs; with rollout.engine_restarts = 0 the run
+  ends with one line naming the engine and its log. With rollout.max_staleness = 1 the run survives it too.
+- EngineServer.restart on its own: same URL, counted, logged, one line when out of restarts or the port is taken.
+- RolloutActor.reinstall, both HTTP backends: an engine that lost its adapters (as a restarted one has) refuses the
+  actor's requests until the actor loads its current revision on that engine alone; then it samples that revision.
 - The config refuses engines with rollout.urls, with the builtin backend, and more actors than engines.
 """
 
 import json
 import os
 import signal
+import socket
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
+import test_rollout_backends as backends
 
 from mint.config import load_config
 from mint.config.load import build_config
 from mint.errors import ConfigError, MintError
 from mint.hub.catalog import Catalog
+from mint.rollout.backends import EngineError
+from mint.rollout.engine import group_seed
+from mint.train import engines
 from mint.train.driver import train
+from mint.train.engines import EngineServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,28 +110,79 @@ def test_an_engine_that_exits_at_once_is_one_clear_line(tmp_path):
     assert str(tmp_path / "dead/engines/engine_0.log") in message and "no such model" in message, message
 
 
+def _kill_after(metrics: Path, marker: str, steps: int, killed: list[int]) -> threading.Thread:
+    """A thread that SIGKILLs the engine server (its command line holds `marker`) once `steps` steps are logged,
+    and records the steps logged by then."""
+
+    def kill():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+                pids = _processes_with(marker)
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                if pids:
+                    killed.append(len(metrics.read_text().splitlines()))
+                return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_killed_engine_is_restarted_and_the_run_finishes(tmp_path, capfd):
+    catalog = tmp_path / "revive-catalog"
+    Catalog(catalog).close()
+    metrics, steps, killed = tmp_path / "revive/metrics.jsonl", 8, []
+    killer = _kill_after(metrics, str(catalog), 2, killed)
+    summary = train(_config(tmp_path, "revive", steps, _serve_command(catalog)))
+    killer.join()
+    assert killed and killed[0] < steps, killed  # the server died mid-run
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, steps + 1)) and summary["steps"] == steps
+    assert [m["engine_restarts"] for m in lines][-1] == 1, lines
+    assert [m["engine_restarts"] for m in lines][: killed[0]] == [0] * killed[0]
+    # Every sample came from an engine holding the step's revision: a base-only engine would not match the learner.
+    for m in lines:
+        assert m["logp_diff_max"] < 1e-4 and m["trust_kept_frac"] == 1.0, m
+    log = (tmp_path / "revive/engines/engine_0.log").read_text()
+    assert log.count("$ restart 1: ") == 1 and "$ restart 2: " not in log, log[-2000:]
+    warned = [line for line in capfd.readouterr().err.splitlines() if "restarted it at" in line]
+    assert len(warned) == 1 and "rollout engine 0" in warned[0] and "died with exit code -9" in warned[0], warned
+    assert "(1/2, rollout.engine_restarts)" in warned[0], warned
+    assert _processes_with(str(catalog)) == [], "an engine server outlived the run"
+
+
+def test_overlapped_steps_survive_a_killed_engine(tmp_path):
+    """rollout.max_staleness = 1: the revision load queued on the dead server fails, the server is restarted, and the
+    actor's next rollout (refused: it still holds the older revision) is redone with the revision it names."""
+    catalog = tmp_path / "revive-k1-catalog"
+    Catalog(catalog).close()
+    metrics, steps, killed = tmp_path / "revive_k1/metrics.jsonl", 8, []
+    killer = _kill_after(metrics, str(catalog), 2, killed)
+    summary = train(_config(tmp_path, "revive_k1", steps, _serve_command(catalog), "rollout.max_staleness=1"))
+    killer.join()
+    assert killed and killed[0] < steps, killed
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, steps + 1)) and summary["steps"] == steps
+    assert lines[-1]["engine_restarts"] == 1, lines
+    assert all(m.get("staleness_max", 0) <= 1 for m in lines), lines  # the bound holds through the restart
+    assert _processes_with(str(catalog)) == [], "an engine server outlived the run"
+
+
 def test_an_engine_that_dies_mid_run_ends_it_with_one_line(tmp_path):
     catalog = tmp_path / "dying-catalog"
     Catalog(catalog).close()
-    metrics = tmp_path / "dying/metrics.jsonl"
-
-    def kill_after_two_steps():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-                for pid in _processes_with(str(catalog)):
-                    os.kill(pid, signal.SIGKILL)
-                return
-            time.sleep(0.2)
-
-    killer = threading.Thread(target=kill_after_two_steps, daemon=True)
-    killer.start()
+    metrics, killed = tmp_path / "dying/metrics.jsonl", []
+    killer = _kill_after(metrics, str(catalog), 2, killed)
     with pytest.raises(MintError) as info:
-        train(_config(tmp_path, "dying", 200, _serve_command(catalog)))
+        train(_config(tmp_path, "dying", 200, _serve_command(catalog), "rollout.engine_restarts=0"))
     killer.join()
     message = str(info.value)
     assert "\n" not in message, message
     assert "rollout engine 0" in message and "died with exit code -9" in message, message
+    assert "after 0 restart(s) (rollout.engine_restarts = 0)" in message, message
     assert str(tmp_path / "dying/engines/engine_0.log") in message, message
     assert _processes_with(str(catalog)) == []
 
@@ -134,3 +198,113 @@ def test_the_config_checks_engines():
         build_config({"rollout": {"backend": "vllm", "engines": 1, "engine_command": "serve --tp {gpus}"}})
     config = build_config({"rollout": {"backend": "sglang", "engines": 2, "num_actors": 2, "engine_tp": 2}})
     assert config.rollout.engines == 2 and config.rollout.urls == []
+
+
+HEALTH_SERVER = """
+import http.server, sys
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args):
+        pass
+
+print("health server up", flush=True)
+http.server.HTTPServer((sys.argv[1], int(sys.argv[2])), Health).serve_forever()
+"""
+
+
+def _health_engine(tmp_path: Path, max_restarts: int) -> EngineServer:
+    """An EngineServer (in this process) whose server answers 200 on every path: restart's mechanics, no model."""
+    script = tmp_path / "health.py"
+    script.write_text(HEALTH_SERVER)
+    log = tmp_path / "engines/engine_0.log"
+    return EngineServer(0, f"{{python}} {script} {{host}} {{port}}", {}, str(log), {}, max_restarts, 30.0)
+
+
+def _kill(server: EngineServer) -> None:
+    os.kill(server.pid(), signal.SIGKILL)
+    server.proc.wait(timeout=10)
+
+
+def test_engine_server_restart_keeps_the_url_counts_and_stops_at_its_budget(tmp_path):
+    server = _health_engine(tmp_path, max_restarts=1)
+    try:
+        url = server.wait_healthy(30)
+        assert server.restart() == url and server.restart_count() == (0, 1)  # it runs: nothing to do
+        first = server.pid()
+        _kill(server)
+        assert "died with exit code -9" in server.status()
+        assert server.restart() == url and server.restart_count() == (1, 1)
+        assert server.pid() != first and server.status() == ""
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            assert resp.status == 200
+        log = Path(server.log_path).read_text()
+        assert log.count("health server up") == 2 and "$ restart 1: " in log and str(tmp_path / "health.py") in log
+        _kill(server)
+        with pytest.raises(MintError) as info:
+            server.restart()
+        message = str(info.value)
+        assert "\n" not in message and "rollout engine 0" in message and server.log_path in message, message
+        assert "died with exit code -9 after 1 restart(s) (rollout.engine_restarts = 1)" in message, message
+        assert server.restart_count() == (1, 1)
+    finally:
+        server.stop()
+    with pytest.raises(MintError, match="was stopped; not restarting it"):
+        server.restart()
+
+
+def test_engine_server_restart_says_when_its_port_is_taken(tmp_path, monkeypatch):
+    monkeypatch.setattr(engines, "PORT_WAIT_S", 0.5)
+    server = _health_engine(tmp_path, max_restarts=2)
+    try:
+        server.wait_healthy(30)
+        _kill(server)
+        with socket.socket() as squatter:  # another process took the port meanwhile
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind((server.host, server.port))
+            squatter.listen()
+            with pytest.raises(MintError) as info:
+                server.restart()
+        message = str(info.value)
+        assert "\n" not in message and "rollout engine 0" in message, message
+        assert f"port {server.port} on {server.host} cannot be bound again" in message, message
+    finally:
+        server.stop()
+
+
+# test_rollout_backends' module fixtures: a tiny base with revisions a and b, `mint serve` over them, and an
+# SGLang-format server.
+world, sglang = backends.world, backends.sglang
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_reinstall_loads_the_current_revision_on_one_engine_that_lost_it(world, sglang, tmp_path, kind):
+    url = world["url"] if kind == "vllm" else sglang.url
+    adapters = world["root"] / "adapters" / f"reinstall-{kind}"  # under mint serve's --adapter-root
+    actor = backends._http_actor(world, kind, url, adapters, tmp_path)
+    try:
+        assert actor.reinstall(url) is False  # no revision yet: a new server serves the base, as the old one did
+        (data,) = backends._revision_bytes(world, world["a"])
+        assert actor.sync_adapter(data)["revision"] == world["a"]
+        # The engine forgets the adapter, as a restarted server starts without it.
+        if kind == "vllm":
+            httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "mint-policy"}).raise_for_status()
+        else:
+            name = f"mint-policy-{world['a'][:16]}"
+            httpx.post(url + "/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
+        with pytest.raises(EngineError):  # no sample from an engine without the revision the actor names
+            actor.backend.generate(backends.PROMPTS[:1], backends.G, backends.PARAMS, seed=3)
+        assert actor.reinstall("http://127.0.0.1:1") is False  # an engine this actor does not front
+        assert actor.reinstall(url + "/") is True
+        got = actor.backend.generate(backends.PROMPTS, backends.G, backends.PARAMS, seed=3)
+        engine_a = backends._engine(world, world["a"])
+        for i, (prompt, group) in enumerate(zip(backends.PROMPTS, got, strict=True)):
+            backends._same_groups(
+                group, engine_a.generate([prompt], backends.G, backends.PARAMS, seed=group_seed(3, i))[0]
+            )
+    finally:
+        actor.backend.close()

@@ -12,7 +12,9 @@
   that are left (`NodeLost`, the same rule as a dead learner rank), or stops with one line when they cannot hold
   the layout.
 - `rollout.engines = N`: the engine servers start before the rollout actors (mint.train.engines), which see their
-  URLs as rollout.urls; `close` stops them, and a failed rollout or sync names a dead engine (`check_engines`).
+  URLs as rollout.urls; `close` stops them. A failed rollout or sync asks them (`revive_engines`): a dead one is
+  restarted (rollout.engine_restarts), the actors fronting it load their revision on it again, and the work is
+  redone; past its restarts, one line names it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mint.config import Config
 from mint.errors import MintError
-from mint.train.engines import check_engines, start_engines, stop_engines
+from mint.rollout.backends import EngineError
+from mint.train.engines import check_engines, revive_engines, start_engines, stop_engines
 from mint.train.faults import Faults
 from mint.train.learner import LearnerActor
 from mint.train.nodes import connect, prepare_nodes
@@ -72,6 +75,7 @@ class Cluster:
     nodes: dict[str, str] = field(default_factory=dict)  # actor name -> the id of the node it runs on
     lost: str = ""  # set by the watchdog: which node left, with which actors
     engines: list = field(default_factory=list)  # EngineServer actors (rollout.engines), stopped by close()
+    engine_restarts: int = 0  # engine servers restarted after they died (mint.train.engines.revive_engines)
     context_parallel: int = 1  # longstraw.context_parallel, learner.expert_parallel: how plans map to ranks
     expert_parallel: int = 1
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -236,15 +240,17 @@ def gather(futures: list, cluster: Cluster, what: str) -> list:
 def load_revision(cluster: Cluster, rev_id: str, data_ref) -> None:
     """Hot-load a revision into every rollout actor (each checks the bytes hash to the id). An actor that died is
     loaded again once Ray has restarted it."""
-    futures = submit_loads(cluster, rev_id, data_ref)
+    futures, revived = submit_loads(cluster, rev_id, data_ref), False
     for i, future in enumerate(futures):
         try:
             ray.get(future)
         except ACTOR_GONE:
             _reload(cluster, i, rev_id, data_ref)
         except MintError:
-            check_engines(cluster.engines)  # a dead engine server is the cause: name it and its log
-            raise
+            revived = revive_engines(cluster) or revived  # a dead engine server: restarted, or named in one line
+            if not revived:
+                raise
+            _reload(cluster, i, rev_id, data_ref)
     _count_restarts(cluster)
 
 
@@ -260,17 +266,20 @@ def finish_sync(cluster: Cluster, futures: list, data_ref, count_restarts: bool 
     """Wait for `submit_sync`'s calls: (revision id, the slowest actor's own seconds). Every actor must have hashed
     the bytes to the same id; one that died is loaded again, by that id, once Ray has restarted it. count_restarts
     asks every actor's pid afterwards (it waits behind rollouts queued since: off for the overlapped loop)."""
-    ids, seconds, dead = [], [], []
+    ids, seconds, dead, revived = [], [], [], False
     for i, future in enumerate(futures):
         try:
             out = ray.get(future)
-            ids.append(out["revision"])
-            seconds.append(out["sync_s"])
         except ACTOR_GONE:
             dead.append(i)
+            continue
         except MintError:
-            check_engines(cluster.engines)
-            raise
+            revived = revive_engines(cluster) or revived  # a dead engine server: restarted, or named in one line
+            if not revived:
+                raise
+            out = ray.get(cluster.rollouts[i].sync_adapter.remote(data_ref))  # the sync again, on the new server
+        ids.append(out["revision"])
+        seconds.append(out["sync_s"])
     if len(set(ids)) > 1:
         raise MintError(f"weight sync: rollout actors hashed the learner's bytes to {len(set(ids))} different ids")
     if not ids:
@@ -291,12 +300,16 @@ def _count_restarts(cluster: Cluster) -> None:
 
 
 def _reload(cluster: Cluster, i: int, rev_id: str, data_ref) -> None:
-    """Load the current revision into rollout actor i after Ray restarted it; one line when it is out of restarts."""
+    """Load a revision into rollout actor i after Ray restarted it, or after it missed one (a load refused by a dead
+    engine server, which is restarted here: revive_engines); one line when either is out of restarts."""
     deadline = time.monotonic() + RESTART_WAIT_S
     while True:
         try:  # retried by Ray once the actor is back; raises when it is out of restarts
             ray.get(cluster.rollouts[i].load_adapter.remote(rev_id, data_ref))
             return
+        except EngineError:
+            if not revive_engines(cluster):  # no engine died: the server itself refused the load
+                raise
         except ACTOR_GONE as err:
             if cluster.lost:  # its node is gone: the driver restarts the actors (NodeLost), no use waiting
                 raise NodeLost(cluster.lost) from err
@@ -359,10 +372,12 @@ def collect_rollout(cluster: Cluster, call: RolloutCall, current: tuple[str, obj
     A shard whose actor died (or was restarted by Ray since its load, so holds another adapter: StaleRevision) is
     redone once the actor holds the call's revision again, with the same seed: a step's samples always come from the
     revision it was submitted with. `current` = (id, bytes ref) of the newest revision: when it differs, it is loaded
-    back into a redone actor afterwards. An actor out of restarts ends the run with one line.
+    back into a redone actor afterwards. A shard that failed on an engine server the run started, which died, is
+    redone the same way once the server is restarted and holds the actor's revision again (`revive_engines`). An
+    actor or engine out of restarts ends the run with one line.
     """
     results: list[list] = [[] for _ in cluster.rollouts]
-    futures, redone = dict(call.futures), []
+    futures, redone, revived = dict(call.futures), [], False
     for attempt in range(2):
         dead = []
         for i, future in futures.items():
@@ -371,8 +386,13 @@ def collect_rollout(cluster: Cluster, call: RolloutCall, current: tuple[str, obj
             except (*ACTOR_GONE, StaleRevision):
                 dead.append(i)
             except MintError:
-                check_engines(cluster.engines)
-                raise
+                if attempt == 1:
+                    check_engines(cluster.engines)  # a dead engine server is the cause: name it and its log
+                    raise
+                revived = revive_engines(cluster) or revived  # restarted (then redone below), or one line
+                if not revived:
+                    raise
+                dead.append(i)
         if not dead:
             break
         if attempt == 1:

@@ -7,8 +7,10 @@ the engines exactly as they front servers that already run (actor j: `urls[j::nu
 
 - A server that exits, or does not answer within `rollout.engine_start_timeout`, stops the run with one line naming
   the engine, its log and the log's last words.
-- A server that dies later is not restarted: the run ends with one line naming the engine and its log
-  (`check_engines`, asked when a rollout or a weight sync fails).
+- A server that dies later is restarted, up to `rollout.engine_restarts` times per engine (`revive_engines`, asked
+  when a rollout or a weight sync fails): the same argv again, so the same host and port and the URL the rollout
+  actors hold stays valid; every rollout actor that fronts it loads its current revision on it again, and the
+  driver redoes the failed work. Past that budget the run ends with one line naming the engine and its log.
 - `stop_engines` ends every server's whole process group (SIGTERM, then SIGKILL); the cluster calls it on every way
   out of a run (end, error, Ctrl-C). The server itself also gets SIGTERM when its actor's process dies
   (PR_SET_PDEATHSIG), so a killed actor leaves no server behind.
@@ -35,7 +37,7 @@ import urllib.request
 from pathlib import Path
 
 import ray
-from ray.exceptions import GetTimeoutError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from mint.config import Config
 from mint.errors import MintError
@@ -49,14 +51,32 @@ DEFAULT_COMMANDS = {
     ),
     "sglang": (
         "{python} -m sglang.launch_server --model-path {model} --host {host} --port {port} --tp {tp} "
-        "--enable-lora --max-lora-rank {max_lora_rank} --lora-target-modules q_proj k_proj v_proj o_proj "
+        "--enable-lora --max-lora-rank {max_lora_rank} --lora-target-modules {lora_modules} "
         "--enable-return-routed-experts"
     ),
 }
+EXPERT_MODULES = ("gate_proj", "up_proj", "down_proj")  # per-expert LoRA module names (mint.hub.export)
 HEALTH_POLL_S = 0.5
 STOP_WAIT_S = 20.0
 TAIL_CHARS = 300
+PORT_WAIT_S = 10.0  # how long a restart waits for a killed server's port to be free again
 PR_SET_PDEATHSIG = 1
+
+
+def _port_taken(host: str, port: int, wait: float) -> str:
+    """'' when (host, port) can be bound again (with SO_REUSEADDR, as uvicorn and vLLM bind); else why not, after
+    waiting up to `wait` seconds for what is left of a killed server to let go of it."""
+    deadline = time.monotonic() + wait
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                return ""
+            except OSError as err:
+                if time.monotonic() > deadline:
+                    return err.strerror or str(err)
+        time.sleep(HEALTH_POLL_S)
 
 
 def engine_command(config: Config) -> str:
@@ -77,38 +97,58 @@ def log_tail(path: str | Path, chars: int = TAIL_CHARS) -> str:
 class EngineServer:
     """One engine server process on this actor's node (made a Ray actor by `start_engines`)."""
 
-    def __init__(self, index: int, template: str, values: dict, log_path: str, env: dict[str, str]):
+    def __init__(
+        self,
+        index: int,
+        template: str,
+        values: dict,
+        log_path: str,
+        env: dict[str, str],
+        max_restarts: int = 0,
+        start_timeout: float = 900.0,
+    ):
         self.index = index
         self.log_path = log_path
-        host = ray.util.get_node_ip_address()
+        self.max_restarts = max_restarts  # rollout.engine_restarts
+        self.start_timeout = start_timeout  # rollout.engine_start_timeout: the default wait of a restart
+        self.restarts = 0
+        self.host = ray.util.get_node_ip_address()
         with socket.socket() as s:  # a free port on this node (the server binds it a moment later)
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        self.url = f"http://{host}:{port}"
-        fill = {**values, "python": sys.executable, "host": host, "port": port, "index": index}
+            s.bind((self.host, 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://{self.host}:{self.port}"
+        fill = {**values, "python": sys.executable, "host": self.host, "port": self.port, "index": index}
         self.argv = [arg.format(**fill) for arg in shlex.split(template)]
+        self.env = {**os.environ, **env}
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - the server writes to it for as long as it runs
-        self._log.write(f"$ {shlex.join(self.argv)}\n".encode())
+        self.stopped, self.start_error, self.proc = False, "", None
+        self._lock = threading.Lock()
+        self._launch("$")
+
+    def _launch(self, prompt: str) -> None:
+        """Start the server (argv, in a process group of its own) writing to the log, after a line `prompt argv`.
+        A launch that fails sets start_error, which wait_healthy reports: an actor whose constructor raises dies
+        with many lines."""
+        self._log.write(f"{prompt} {shlex.join(self.argv)}\n".encode())
         self._log.flush()
         libc = ctypes.CDLL(None, use_errno=True)
 
         def die_with_actor():  # runs in the child between fork and exec: async-signal-safe calls only
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
-        self.stopped, self.start_error, self.proc = False, "", None
-        self._lock = threading.Lock()
+        self.start_error = ""
         try:
             self.proc = subprocess.Popen(
                 self.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **env},
+                env=self.env,
                 start_new_session=True,  # its own process group: stop() ends the server and all its workers
                 preexec_fn=die_with_actor,
             )
-        except OSError as err:  # reported by wait_healthy: an actor whose constructor raises dies with many lines
+        except OSError as err:
             self.start_error = f"{self.name()} could not start {self.argv[0]!r}: {err}"
 
     def name(self) -> str:
@@ -150,8 +190,51 @@ class EngineServer:
             return ""
         return f"{self.name()} died with exit code {code}: {log_tail(self.log_path)}"
 
+    def restart(self, timeout: float | None = None) -> str:
+        """Launch a server that died (not one stopped by us) again with the same argv, so on the same host and port,
+        and wait up to `timeout` s (default rollout.engine_start_timeout) for its /health: its URL, which the
+        rollout actors already hold. A new server that exits before it is healthy counts as one more restart and is
+        launched again while restarts are left. One line when it is out of restarts (rollout.engine_restarts), when
+        the port cannot be bound again, or when the new server does not answer in time."""
+        wait = self.start_timeout if timeout is None else timeout
+        while True:
+            with self._lock:
+                if self.stopped:
+                    raise MintError(f"{self.name()} was stopped; not restarting it")
+                code = self.proc.poll() if self.proc is not None else None
+                if code is None and self.proc is not None and not self.start_error:
+                    return self.url  # it runs
+                if self.restarts >= self.max_restarts:
+                    died = (
+                        f"could not start ({self.start_error})" if self.start_error else f"died with exit code {code}"
+                    )
+                    raise MintError(
+                        f"{self.name()} {died} after {self.restarts} restart(s) (rollout.engine_restarts = "
+                        f"{self.max_restarts}): {log_tail(self.log_path)}"
+                    )
+                self.restarts += 1
+                if self.proc is not None:  # what is left of its process group (a vLLM server's workers) goes first
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                taken = _port_taken(self.host, self.port, PORT_WAIT_S)
+                if taken:
+                    raise MintError(
+                        f"{self.name()} died with exit code {code} and cannot be restarted on the same URL: port "
+                        f"{self.port} on {self.host} cannot be bound again ({taken})"
+                    )
+                self._launch(f"$ restart {self.restarts}:")
+            try:
+                return self.wait_healthy(wait)
+            except MintError:
+                if self.stopped or self.restarts >= self.max_restarts:  # timed out (stopped), or out of restarts
+                    raise
+
     def pid(self) -> int:
         return self.proc.pid if self.proc is not None else 0
+
+    def restart_count(self) -> tuple[int, int]:
+        """(restarts so far, rollout.engine_restarts)."""
+        return self.restarts, self.max_restarts
 
     def stop(self) -> int | None:
         """End the server's process group: SIGTERM, then SIGKILL after STOP_WAIT_S. Returns the server's exit code."""
@@ -185,13 +268,25 @@ def start_engines(config: Config, model_path: str, run_dir: str | Path | None) -
     r = config.rollout
     root = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="mint-engines-"))
     adapter_dir = r.adapter_dir or str(default_run_dir(config) / "engine_adapters")
-    values = {"model": model_path, "tp": r.engine_tp, "max_lora_rank": config.lora.rank, "adapter_dir": adapter_dir}
+    # the modules the adapter directory holds LoRA for: the per-expert layout adds the experts' projections
+    modules = [*config.lora.target_modules, *(EXPERT_MODULES if config.lora.target_experts else ())]
+    values = {
+        "model": model_path,
+        "tp": r.engine_tp,
+        "max_lora_rank": config.lora.rank,
+        "lora_modules": " ".join(dict.fromkeys(modules)),
+        "adapter_dir": adapter_dir,
+    }
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "TOKENIZERS_PARALLELISM": "false"}
     gpus = r.engine_tp if config.ray.rollout_gpus > 0 else 0
     # max_concurrency 2: stop() runs while wait_healthy() still polls (another engine failed first)
     cls = ray.remote(max_restarts=0, max_concurrency=2)(EngineServer).options(num_cpus=0, num_gpus=gpus)
     template = engine_command(config)
-    actors = [cls.remote(i, template, values, str(root / "engines" / f"engine_{i}.log"), env) for i in range(r.engines)]
+    logs = [str(root / "engines" / f"engine_{i}.log") for i in range(r.engines)]
+    actors = [
+        cls.remote(i, template, values, logs[i], env, r.engine_restarts, r.engine_start_timeout)
+        for i in range(r.engines)
+    ]
     try:
         urls = ray.get(
             [a.wait_healthy.remote(r.engine_start_timeout) for a in actors], timeout=r.engine_start_timeout + 60
@@ -220,6 +315,47 @@ def check_engines(engines: list) -> None:
             line = f"rollout engine {i} is gone ({type(err).__name__})"
         if line:
             raise MintError(line)
+
+
+def revive_engines(cluster) -> bool:
+    """After a rollout or a weight sync failed with a MintError: restart every engine server of `cluster` (a
+    mint.train.cluster.Cluster: its engines, rollouts and engine_restarts) that died, then have every rollout actor
+    that fronts a restarted one load its current revision on it again. True when one was restarted: the caller then
+    redoes the failed work. False when none is dead (or the run started none): the failure is something else.
+    Raises one line for an engine out of restarts (rollout.engine_restarts) or whose actor is gone.
+
+    Until a rollout actor has reinstalled its revision on the new server, a request there names an adapter the
+    server does not hold and fails: no sample comes from an engine without the revision the call names."""
+    revived = []
+    for i, actor in enumerate(cluster.engines):
+        try:
+            line = ray.get(actor.status.remote(), timeout=30)
+        except Exception as err:  # the actor itself is gone (its node left, or it was killed): nothing to restart
+            raise MintError(f"rollout engine {i} is gone ({type(err).__name__})") from None
+        if not line:
+            continue
+        before, most = ray.get(actor.restart_count.remote())
+        try:  # bounded by the restart's own wait for /health (rollout.engine_start_timeout)
+            url = ray.get(actor.restart.remote())
+        except RayTaskError as err:  # the engine's own one line, without Ray's traceback around it
+            raise MintError(" ".join(str(err.cause).split())) from None
+        n, _ = ray.get(actor.restart_count.remote())
+        cluster.engine_restarts += n - before
+        print(f"mint: {line}; restarted it at {url} ({n}/{most}, rollout.engine_restarts)", file=sys.stderr)
+        revived.append(url)
+    for url in revived:
+        calls = [r.reinstall.remote(url) for r in cluster.rollouts]
+        for call in calls:
+            try:
+                ray.get(call)
+            except RayActorError:  # a dead rollout actor is loaded again when its work is redone
+                pass
+            except RayTaskError as err:  # the new server refused the load, or died already
+                cause = " ".join(str(err.cause).split())  # one line, without Ray's traceback
+                raise MintError(
+                    f"rollout engine at {url}: loading the revision again after its restart failed: {cause}"
+                ) from None
+    return bool(revived)
 
 
 def stop_engines(engines: list) -> None:

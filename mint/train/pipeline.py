@@ -19,7 +19,6 @@ same revisions as the run that was not stopped. The price is one step without ov
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -27,6 +26,7 @@ import ray
 
 from mint.config import Config
 from mint.errors import MintError
+from mint.rollout.backends import EngineError
 from mint.train.cluster import (
     ACTOR_GONE,
     Cluster,
@@ -36,6 +36,7 @@ from mint.train.cluster import (
     submit_loads,
     submit_rollout,
 )
+from mint.train.engines import revive_engines
 
 
 def queue_limit(step: int, max_staleness: int, steps: int, checkpoint_every: int) -> int:
@@ -84,7 +85,7 @@ class RolloutPipeline:
 
     def _queue_load(self, cluster: Cluster, rev_id: str, data_ref) -> None:
         self._refs[rev_id] = data_ref
-        self.loads += submit_loads(cluster, rev_id, data_ref)
+        self.loads += [(future, cluster.engine_restarts) for future in submit_loads(cluster, rev_id, data_ref)]
 
     def advance(self, rev_id: str, data: bytes) -> None:
         """After a publish: the next rollouts sample with `rev_id` (its safetensors bytes `data`)."""
@@ -104,10 +105,18 @@ class RolloutPipeline:
 
     def _check_loads(self) -> None:
         """Surface the error of a queued load that failed (a hash mismatch); a dead actor is the rollout's business:
-        its next rollout is refused (StaleRevision) and redone after a reload."""
+        its next rollout is refused (StaleRevision) and redone after a reload. So is a load that failed on an engine
+        server that died: once the server is restarted (revive_engines, now or since the load was queued), the
+        actor still holds the older revision, and its next rollout is refused and redone the same way."""
         if not self.loads:
             return
-        done, self.loads = ray.wait(self.loads, num_returns=len(self.loads), timeout=0)
-        for future in done:
-            with contextlib.suppress(*ACTOR_GONE):
+        done = set(ray.wait([f for f, _ in self.loads], num_returns=len(self.loads), timeout=0)[0])
+        finished, self.loads = [x for x in self.loads if x[0] in done], [x for x in self.loads if x[0] not in done]
+        for future, restarts_then in finished:
+            try:
                 ray.get(future)
+            except ACTOR_GONE:
+                pass
+            except EngineError:
+                if not revive_engines(self.cluster) and self.cluster.engine_restarts == restarts_then:
+                    raise

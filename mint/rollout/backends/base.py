@@ -102,6 +102,11 @@ class HttpBackend(RolloutBackend):
         except ValueError:
             raise EngineError(f"rollout engine {url}: {path} answered non-JSON: {_one_line(response.text)}") from None
 
+    def load_on(self, url: str, revision: str, path: Path) -> None:
+        """Load revision `revision` (the adapter directory at `path`) on engine `url` only, under the name requests
+        use for it now: an engine restarted by the run lost its adapters, the others still hold them."""
+        raise NotImplementedError
+
     def check_health(self) -> None:
         """Every engine answers its health path with 200, or one line names the first that does not."""
         for url in self.urls:

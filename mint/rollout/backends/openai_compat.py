@@ -8,7 +8,8 @@ One group = one POST /v1/completions with the prompt as token ids and n = G:
               started with --enable-return-routed-experts, choices[i].routed_experts: base64 `.npy` [P+R-1, L, k]
 
 Weight sync: POST /v1/load_lora_adapter {"lora_name", "lora_path": DIR, "load_inplace": true} swaps the adapter
-behind one fixed name (vLLM needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); requests name it from then on.
+behind one fixed name (vLLM needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); requests name it from then on. `load_on`
+posts the same to one engine (one the run restarted, which lost it).
 
 vLLM reports logprobs of the raw logits unless started with --logprobs-mode processed_logprobs, which gives
 log softmax(logits / T), the learner's convention (with top_p = 1; docs/rollout.md). Formats: docs/rollout.md.
@@ -44,10 +45,13 @@ class VllmBackend(HttpBackend):
         return models[0]["id"]
 
     def load_adapter(self, revision: str, path: Path) -> None:
-        body = {"lora_name": self.lora_name, "lora_path": str(path), "load_inplace": True}
         for url in self.urls:
-            self._request("POST", url, "/v1/load_lora_adapter", body)  # vLLM answers plain text, mint serve JSON
+            self.load_on(url, revision, path)
         self.model = self.lora_name
+
+    def load_on(self, url: str, revision: str, path: Path) -> None:
+        body = {"lora_name": self.lora_name, "lora_path": str(path), "load_inplace": True}
+        self._request("POST", url, "/v1/load_lora_adapter", body)  # vLLM answers plain text, mint serve JSON
 
     def _group(self, url: str, prompt: list[int], group_size: int, params: SamplingParams, seed: int) -> GroupRollout:
         body = dict(

@@ -10,8 +10,9 @@ One group = one POST /generate with G copies of the prompt (a batch: the radix c
 
 Weight sync: SGLang names adapters and has no in-place swap, so each revision loads under its own name
 (POST /load_lora_adapter {"lora_name", "lora_path"}), later requests name it, and the previous one is unloaded
-(POST /unload_lora_adapter {"lora_name"}). SGLang's logprobs are log softmax(logits / T) before top-p, the learner's
-convention, unless SGLANG_RETURN_ORIGINAL_LOGPROB is set. Formats and their sources: docs/rollout.md.
+(POST /unload_lora_adapter {"lora_name"}); `load_on` loads the current one again on one engine (one the run
+restarted). SGLang's logprobs are log softmax(logits / T) before top-p, the learner's convention, unless
+SGLANG_RETURN_ORIGINAL_LOGPROB is set. Formats and their sources: docs/rollout.md.
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ class SglangBackend(HttpBackend):
         self.prefix = lora_name
         self.adapter: str | None = None  # the name requests use; None samples the base
 
+    def _name(self, revision: str) -> str:
+        return f"{self.prefix}-{revision[:16]}"
+
     def load_adapter(self, revision: str, path: Path) -> None:
-        name = f"{self.prefix}-{revision[:16]}"
+        name = self._name(revision)
         if name == self.adapter:
             return
         for url in self.urls:
@@ -45,6 +49,12 @@ class SglangBackend(HttpBackend):
         if old is not None:  # after the switch: no request in flight names it any more
             for url in self.urls:
                 self._request("POST", url, "/unload_lora_adapter", {"lora_name": old})
+
+    def load_on(self, url: str, revision: str, path: Path) -> None:
+        name = self._name(revision)
+        if name != self.adapter:  # only the revision requests name now: loading another would not be used
+            raise EngineError(f"rollout engine {url}: asked to load {name} there, but requests name {self.adapter}")
+        self._request("POST", url, "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
 
     def _group(self, url: str, prompt: list[int], group_size: int, params: SamplingParams, seed: int) -> GroupRollout:
         body = {
