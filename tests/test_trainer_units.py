@@ -1,13 +1,16 @@
-"""The driver's pure pieces: step planning across ranks, the run summary, and the run directory."""
+"""The driver's pure pieces: step planning across ranks, the run summary, the run directory, and the catalog writer."""
 
 import json
+import threading
 
+import pytest
 import torch
 
 from mint.config import build_config
+from mint.errors import MintError
 from mint.train.driver import prepare_run_dir, summarize
 from mint.train.learner import GroupBatch
-from mint.train.step import plan_step
+from mint.train.step import CatalogWriter, plan_step
 
 
 def _group(lengths: list[int]) -> GroupBatch:
@@ -74,3 +77,43 @@ def test_context_parallel_groups_stay_inside_blocks_of_ep_times_cp_ranks():
     plans = plan_step([_group([3, 3]), _group([2]), _group([4])], world_size=8, context_parallel=2, expert_parallel=2)
     for ranks in cp_group_ranks(8, 2, 2):
         assert all(plans[r] is plans[ranks[0]] for r in ranks)
+
+
+def test_the_catalog_writer_writes_in_order_off_the_callers_thread_and_raises_a_failure_at_the_next_call():
+    release, order, threads = threading.Event(), [], set()
+
+    def copy(n: int, seconds: float):
+        def run() -> float:
+            if n == 1:
+                release.wait(10)  # the caller goes on while the first copy is still being written
+            order.append(n)
+            threads.add(threading.current_thread().name)
+            return seconds
+
+        return run
+
+    writer = CatalogWriter()
+    writer.submit(copy(1, 0.5))
+    writer.submit(copy(2, 0.25))
+    assert order == []  # submit did not wait
+    release.set()
+    writer.wait()
+    assert order == [1, 2] and writer.seconds == 0.25
+    assert threads and all(name.startswith("mint-catalog") for name in threads)
+
+    def full_disk() -> float:
+        raise MintError("catalog: no space left on device")
+
+    writer.submit(full_disk)
+    with pytest.raises(MintError, match="no space left"):
+        writer.wait()
+    writer.submit(full_disk)
+    with pytest.raises(MintError, match="no space left"):  # at the latest by the next submit after it finished
+        for _ in range(100):
+            writer.submit(copy(3, 0.0))
+            threading.Event().wait(0.01)
+    writer.close()
+
+    with pytest.raises(ValueError, match="the run's own error"), CatalogWriter() as w:  # that error wins on the way out
+        w.submit(full_disk)
+        raise ValueError("the run's own error")

@@ -47,7 +47,7 @@ from mint.train.metrics import RunLogger
 from mint.train.nodes import check_run_paths, driver_model_path
 from mint.train.pipeline import RolloutPipeline
 from mint.train.preflight import Preflight, preflight
-from mint.train.step import Revision, learn, learner_revision, make_batches, publish, save_revision
+from mint.train.step import CatalogWriter, Revision, learn, learner_revision, make_batches, publish, save_revision
 
 __all__ = ["prepare_run_dir", "summarize", "train"]
 
@@ -202,52 +202,66 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
         state.eval_first = evaluate(cluster, held_out, config, 0, rev.id)
         logger.note(f"mint: eval before training: {_fmt(state.eval_first)}")
     pipe = RolloutPipeline(cluster, config, stream, rev.id, ray.put(rev.data), state.step)
-    while state.step < config.grpo.steps and not run.interrupt.requested:
-        step = state.step + 1
-        t0 = time.time()
-        results = pipe.samples(step)
-        times = dict(rollout_s=time.time() - t0)
-        staleness = pipe.staleness(results)  # against the revision the learner holds now, before this step's update
-        _check_rewards(config, step, results, state, logger)
-        batches, rewards_B_G = make_batches(config, results)
-        t_learn = time.time()
-        sums = learn(cluster, batches, step) if batches else {"skipped": False, "bad": False}
-        times["learn_s"] = time.time() - t_learn
-        step_metrics = dict(reward_mean=float(rewards_B_G.mean()), **{k: v for k, v in sums.items() if k != "bad"})
-        t_sync = time.time()
-        if sums["skipped"]:  # nothing changed: nothing to publish
-            state.skipped_steps += 1
-            state.bad_steps = state.bad_steps + 1 if sums["bad"] else 0
-        else:
-            state.bad_steps = 0
-            rev = publish(
-                cluster, store, config, run.model_path, adapter_config, step, rev, results, step_metrics, pipe.loader()
-            )
-            pipe.advance(rev.id, rev.data)
-        times["sync_s"] = time.time() - t_sync
-        state.step, state.revision = step, rev.id
-        state.rewards.append(step_metrics["reward_mean"])
-        metrics = _metrics(config, step, results, len(batches), rewards_B_G, sums, rev, state, cluster, t0, times)
-        metrics.update(staleness)
-        every = config.eval.every
-        if held_out and ((every and step % every == 0) or step == config.grpo.steps):
-            state.eval_last = evaluate(cluster, held_out, config, step, rev.id)
-            metrics.update(state.eval_last)
-            logger.note(f"mint: step {step}: eval {_fmt(state.eval_last)}")
-        if config.logging.samples_every and step % config.logging.samples_every == 0:
-            logger.samples(sample_rows(config, step, results, rewards_B_G))
-        logger.log(metrics)
-        if state.bad_steps >= config.checkpoint.max_bad_steps:
-            latest = checkpoint.latest(out)
-            raise MintError(
-                f"{state.bad_steps} consecutive steps had a non-finite gradient (skipped, never published; "
-                f"checkpoint.max_bad_steps = {config.checkpoint.max_bad_steps}); the last good checkpoint is "
-                f"{latest or 'none'}; lower learner.lr or check the rewards"
-            )
-        if step % config.mint.save_every == 0 or step == config.grpo.steps:
-            save_revision(config, out, store, rev)
-        if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.grpo.steps:
-            save_checkpoint(cluster, out, state, config)
+    with CatalogWriter() as writer:  # each revision's catalog copy is written while the learner trains on the next
+        while state.step < config.grpo.steps and not run.interrupt.requested:
+            step = state.step + 1
+            t0 = time.time()
+            results = pipe.samples(step)
+            times = dict(rollout_s=time.time() - t0)
+            staleness = pipe.staleness(results)  # against the revision the learner holds now, before this step's update
+            _check_rewards(config, step, results, state, logger)
+            batches, rewards_B_G = make_batches(config, results)
+            t_learn = time.time()
+            sums = learn(cluster, batches, step) if batches else {"skipped": False, "bad": False}
+            times["learn_s"] = time.time() - t_learn
+            step_metrics = dict(reward_mean=float(rewards_B_G.mean()), **{k: v for k, v in sums.items() if k != "bad"})
+            t_sync = time.time()
+            if sums["skipped"]:  # nothing changed: nothing to publish
+                state.skipped_steps += 1
+                state.bad_steps = state.bad_steps + 1 if sums["bad"] else 0
+            else:
+                state.bad_steps = 0
+                rev = publish(
+                    cluster,
+                    store,
+                    config,
+                    run.model_path,
+                    adapter_config,
+                    step,
+                    rev,
+                    results,
+                    step_metrics,
+                    pipe.loader(),
+                    writer,
+                )
+                pipe.advance(rev.id, rev.data)
+            times["sync_s"] = time.time() - t_sync
+            times["catalog_s"] = writer.seconds  # the latest catalog copy finished, off the critical path
+            state.step, state.revision = step, rev.id
+            state.rewards.append(step_metrics["reward_mean"])
+            metrics = _metrics(config, step, results, len(batches), rewards_B_G, sums, rev, state, cluster, t0, times)
+            metrics.update(staleness)
+            every = config.eval.every
+            if held_out and ((every and step % every == 0) or step == config.grpo.steps):
+                state.eval_last = evaluate(cluster, held_out, config, step, rev.id)
+                metrics.update(state.eval_last)
+                logger.note(f"mint: step {step}: eval {_fmt(state.eval_last)}")
+            if config.logging.samples_every and step % config.logging.samples_every == 0:
+                logger.samples(sample_rows(config, step, results, rewards_B_G))
+            logger.log(metrics)
+            if state.bad_steps >= config.checkpoint.max_bad_steps:
+                latest = checkpoint.latest(out)
+                raise MintError(
+                    f"{state.bad_steps} consecutive steps had a non-finite gradient (skipped, never published; "
+                    f"checkpoint.max_bad_steps = {config.checkpoint.max_bad_steps}); the last good checkpoint is "
+                    f"{latest or 'none'}; lower learner.lr or check the rewards"
+                )
+            if step % config.mint.save_every == 0 or step == config.grpo.steps:
+                writer.wait()  # the export reads the catalog copy
+                save_revision(config, out, store, rev)
+            if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.grpo.steps:
+                writer.wait()  # a checkpoint names a revision the catalog must hold
+                save_checkpoint(cluster, out, state, config)
     return rev
 
 
@@ -296,6 +310,7 @@ def _metrics(config, step, results, groups_kept, rewards_B_G, sums, rev, state, 
         skipped_steps=state.skipped_steps,
         restarts=state.restarts,
         rollout_restarts=cluster.rollout_restarts,
+        engine_restarts=cluster.engine_restarts,
         logp_diff_max=sums.get("logp_diff_max", 0.0),
         response_tokens=gen_tokens,
         response_len_mean=gen_tokens / rewards_B_G.numel(),

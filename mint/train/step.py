@@ -2,21 +2,22 @@
 
 Weight sync *is* revision publish: each step's LoRA tensors become a revision in the catalog (<run>/catalog by
 default, with lineage and the step's rollout records), and every `save_every` steps are also exported to
-<run>/adapters as a PEFT adapter directory. On the on-policy path the rollout actors take the bytes straight from
-learner rank 0's object store (no driver hop) while the driver writes the catalog copy; `Revision.sync_s` times it
-(docs/rollout.md). A caller-given `load` (the overlapped loop) gets the bytes through the driver instead.
+<run>/adapters as a PEFT adapter directory. The rollout actors take the bytes straight from learner rank 0's object
+store (no driver hop); the driver checks them for NaN/inf and hashes them, and a CatalogWriter writes the catalog copy
+while the learner trains on the next step. `Revision.sync_s` times the sync (docs/rollout.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import ray
 import torch
 
 from longstraw.trust import TrustCounts
@@ -37,7 +38,6 @@ class Revision:
     data: bytes = field(repr=False)
     parent: str | None = None
     sync_s: float = 0.0  # seconds from asking the learner for its state to every rollout actor serving it
-    catalog_s: float = 0.0  # seconds of the driver's catalog copy (records, hash, write), beside the actors' sync
 
 
 @functools.lru_cache(maxsize=8)
@@ -54,6 +54,50 @@ def learner_revision(cluster: Cluster) -> tuple[bytes, dict]:
     return data, from_bytes(data)
 
 
+class CatalogWriter:
+    """The catalog copies of a run's revisions, written on one worker thread in publish order, so the hash, write and
+    fsync of revision t (and its step's rollout records) run while the learner trains on step t + 1.
+
+    A failed write (a full disk, a parent missing from the catalog) is raised by the next `submit` or `wait`, so a
+    run stops at most one step after it. Call `wait` before anything reads the catalog (an export, a checkpoint, the
+    end of the run); `close` waits, then ends the thread.
+    """
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mint-catalog")
+        self._pending: list[Future] = []
+        self.seconds = 0.0  # the seconds of the latest copy seen to finish (the catalog_s metric)
+
+    def submit(self, fn: Callable[[], float]) -> None:
+        self._raise_failed()
+        self._pending.append(self._pool.submit(fn))
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        for future in pending:
+            self.seconds = future.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> CatalogWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):  # the error already on its way out tells the story
+            self.close()
+
+    def _raise_failed(self) -> None:
+        while self._pending and self._pending[0].done():
+            self.seconds = self._pending.pop(0).result()
+
+
 def publish(
     cluster: Cluster,
     store: Catalog,
@@ -65,17 +109,18 @@ def publish(
     results: list[GroupResult] | None = None,
     metrics: dict | None = None,
     load: Callable[[Cluster, str, object], None] = load_revision,
+    writer: CatalogWriter | None = None,
 ) -> Revision:
     """Publish the learner's LoRA state as a catalog revision and hot-load it into every rollout actor by id.
 
     The step's rollout records are stored beside it, under the revision that sampled them (`parent`, or an older one
     when rollout.max_staleness lets rollout run ahead). The actors receive the id with the safetensors bytes and
     refuse bytes that do not hash to it. `load(cluster, id, bytes_ref)` hands it to them: load_revision waits for
-    every actor; the overlapped loop queues the loads behind the rollouts in flight. An update that left the adapter
-    unchanged (same id as the parent) publishes nothing new and returns the parent.
+    every actor; the overlapped loop queues the loads behind the rollouts in flight. Either way the bytes go from
+    learner rank 0's object store to the actors (no driver hop). With a `writer` the catalog copy is written off
+    the critical path (CatalogWriter); without, before this returns. An update that left the adapter unchanged
+    (same id as the parent) publishes nothing new and returns the parent.
     """
-    from mint.hub import write_step
-
     # Direct sync (the default `load`): the actors fetch rank 0's bytes from the learner's object store and hash
     # them once while the driver fetches its own copy for the catalog; the ids must agree.
     direct = load is load_revision
@@ -83,8 +128,34 @@ def publish(
     refs = [learner.lora_state_bytes.remote() for learner in cluster.learners]  # every rank: it may gather
     syncs = submit_sync(cluster, refs[0]) if direct else None
     data = gather(refs, cluster, "publish")[0]
-    t_catalog = time.perf_counter()
     tensors = from_bytes(data)
+    rid = store.admit(tensors, config.logging.name, step)  # NaN/inf never reach an engine
+    copy = functools.partial(
+        _catalog_copy, store, config, model_path, adapter_config, step, parent, results, metrics, tensors, rid
+    )
+    if writer is None:
+        copy()
+    else:
+        writer.submit(copy)
+    if direct:
+        synced, _ = finish_sync(cluster, syncs, refs[0])
+        if synced != rid:
+            raise MintError(f"weight sync: the rollout actors hold {synced[:12]}, the catalog {rid[:12]}")
+    if parent is not None and rid == parent.id:
+        parent.sync_s = time.perf_counter() - t0
+        return parent
+    rev = Revision(rid, step, data, parent.id if parent is not None else None)
+    if not direct:
+        load(cluster, rid, refs[0])
+    rev.sync_s = time.perf_counter() - t0
+    return rev
+
+
+def _catalog_copy(store, config, model_path, adapter_config, step, parent, results, metrics, tensors, rid) -> float:
+    """Write one revision (and the rollout records of the step that made it) into the catalog; its seconds."""
+    from mint.hub import write_step
+
+    t0 = time.perf_counter()
     run = config.logging.name
     if results and parent is not None:
         write_step(store, run, step, results[0].revision or parent.id, results, config.mint.rollout_records)
@@ -99,19 +170,9 @@ def publish(
         base_fingerprint=_fingerprint(model_path),
         metrics=metrics or {},
     )
-    catalog_s = time.perf_counter() - t_catalog
-    if direct:
-        synced, _ = finish_sync(cluster, syncs, refs[0])
-        if synced != meta.id:
-            raise MintError(f"weight sync: the rollout actors hold {synced[:12]}, the catalog {meta.id[:12]}")
-    if parent is not None and meta.id == parent.id:
-        parent.sync_s, parent.catalog_s = time.perf_counter() - t0, catalog_s
-        return parent
-    rev = Revision(meta.id, step, data, parent.id if parent is not None else None, catalog_s=catalog_s)
-    if not direct:
-        load(cluster, rev.id, ray.put(data))
-    rev.sync_s = time.perf_counter() - t0
-    return rev
+    if meta.id != rid:  # the same canonical hash on both sides: only a bug gets here
+        raise MintError(f"catalog: revision {rid[:12]} was stored as {meta.id[:12]}")
+    return time.perf_counter() - t0
 
 
 def plan_step(
