@@ -3,7 +3,8 @@
 Both runs are the smoke recipe (the embedded tiny Qwen3-MoE, synthetic first_last task) through the real trainer:
 local Ray, one learner rank on DeepSpeed (gloo), one rollout actor, one CPU bundle and one torch thread each. Only
 rollout.max_staleness differs. With k = 1 the rollout of step t + 1 runs on the rollout actor while the learner
-trains on step t, and each revision's load is queued behind it instead of awaited.
+trains on step t, each revision's load is queued behind it instead of awaited, and step t + 1's learning is queued on
+the learner before step t's revision is published (the learner does not wait for the driver).
 
 Seconds per step are each run's mean `step_s` over steps 2..N (step 1 cannot overlap; N = --steps): from the start
 of the step's wait for samples to the end of its publish. checkpoint.every = 0 (the overlap would drain at every

@@ -7,7 +7,9 @@
     -> final checkpoint and summary
 
 With rollout.max_staleness = k >= 1 the rollouts of the next k steps are already queued on the rollout actors while
-the learner trains, and the hot-load queues behind them (mint.train.pipeline); with k = 0 each step waits for both.
+the learner trains, and the hot-load queues behind them (mint.train.pipeline); the next step's learning is queued on
+the learner before this step's revision is published (`_begin(..., ahead=True)`), so the learner never waits for the
+driver's publish, logging or eval. With k = 0 each step waits for rollout, learning and the actors' loads in turn.
 
 What survives what (docs/reliability.md): a dead rollout actor is restarted by Ray and redoes its shard; a dead
 learner rank restarts the actors from the latest checkpoint (checkpoint.max_restarts times); a killed driver resumes
@@ -47,7 +49,17 @@ from mint.train.metrics import RunLogger
 from mint.train.nodes import check_run_paths, driver_model_path
 from mint.train.pipeline import RolloutPipeline
 from mint.train.preflight import Preflight, preflight
-from mint.train.step import CatalogWriter, Revision, learn, learner_revision, make_batches, publish, save_revision
+from mint.train.step import (
+    CatalogWriter,
+    Revision,
+    collect_learn,
+    learner_revision,
+    make_batches,
+    publish,
+    request_state,
+    save_revision,
+    submit_learn,
+)
 
 __all__ = ["prepare_run_dir", "summarize", "train"]
 
@@ -202,21 +214,27 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
         state.eval_first = evaluate(cluster, held_out, config, 0, rev.id)
         logger.note(f"mint: eval before training: {_fmt(state.eval_first)}")
     pipe = RolloutPipeline(cluster, config, stream, rev.id, ray.put(rev.data), state.step)
+    ahead: Begun | None = None  # the next step, begun before this one's publish (k >= 1)
     with CatalogWriter() as writer:  # each revision's catalog copy is written while the learner trains on the next
-        while state.step < config.grpo.steps and not run.interrupt.requested:
+        while ahead is not None or (state.step < config.grpo.steps and not run.interrupt.requested):
             step = state.step + 1
             t0 = time.time()
-            results = pipe.samples(step)
-            times = dict(rollout_s=time.time() - t0)
-            staleness = pipe.staleness(results)  # against the revision the learner holds now, before this step's update
-            _check_rewards(config, step, results, state, logger)
-            batches, rewards_B_G = make_batches(config, results)
-            t_learn = time.time()
-            sums = learn(cluster, batches, step) if batches else {"skipped": False, "bad": False}
-            times["learn_s"] = time.time() - t_learn
-            step_metrics = dict(reward_mean=float(rewards_B_G.mean()), **{k: v for k, v in sums.items() if k != "bad"})
+            now, ahead = ahead or _begin(run, cluster, pipe, state, logger, step, ahead=False), None
+            staleness = pipe.staleness(now.results)  # against the revision the learner holds before this update
+            sums = collect_learn(cluster, now.call, step) if now.call else {"skipped": False, "bad": False}
+            times = dict(rollout_s=now.rollout_s, learn_s=sums.get("learner_s", 0.0))
+            step_metrics = dict(
+                reward_mean=float(now.rewards_B_G.mean()),
+                **{k: v for k, v in sums.items() if k not in ("bad", "learner_s")},
+            )
             t_sync = time.time()
-            if sums["skipped"]:  # nothing changed: nothing to publish
+            skipped = sums["skipped"]
+            refs = None if skipped else request_state(cluster)
+            if pipe.k and step < config.grpo.steps and pipe.queued > step and not run.interrupt.requested:
+                # The next step's rollout is in already: its learning queues on the learner right behind the state
+                # request above, and runs while the driver publishes this step's revision.
+                ahead = _begin(run, cluster, pipe, state, logger, step + 1, ahead=True)
+            if skipped:  # nothing changed: nothing to publish
                 state.skipped_steps += 1
                 state.bad_steps = state.bad_steps + 1 if sums["bad"] else 0
             else:
@@ -229,17 +247,20 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
                     adapter_config,
                     step,
                     rev,
-                    results,
+                    now.results,
                     step_metrics,
                     pipe.loader(),
                     writer,
+                    refs,
                 )
                 pipe.advance(rev.id, rev.data)
+            if ahead is not None:
+                pipe.queue(step + 1)  # the rollouts beyond it sample with this step's revision
             times["sync_s"] = time.time() - t_sync
             times["catalog_s"] = writer.seconds  # the latest catalog copy finished, off the critical path
             state.step, state.revision = step, rev.id
             state.rewards.append(step_metrics["reward_mean"])
-            metrics = _metrics(config, step, results, len(batches), rewards_B_G, sums, rev, state, cluster, t0, times)
+            metrics = _metrics(config, step, now, sums, rev, state, cluster, t0, times)
             metrics.update(staleness)
             every = config.eval.every
             if held_out and ((every and step % every == 0) or step == config.grpo.steps):
@@ -247,7 +268,7 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
                 metrics.update(state.eval_last)
                 logger.note(f"mint: step {step}: eval {_fmt(state.eval_last)}")
             if config.logging.samples_every and step % config.logging.samples_every == 0:
-                logger.samples(sample_rows(config, step, results, rewards_B_G))
+                logger.samples(sample_rows(config, step, now.results, now.rewards_B_G))
             logger.log(metrics)
             if state.bad_steps >= config.checkpoint.max_bad_steps:
                 latest = checkpoint.latest(out)
@@ -261,8 +282,35 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
                 save_revision(config, out, store, rev)
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.grpo.steps:
                 writer.wait()  # a checkpoint names a revision the catalog must hold
-                save_checkpoint(cluster, out, state, config)
+                save_checkpoint(cluster, out, state, config)  # never with a step begun ahead (the pipeline drains)
     return rev
+
+
+@dataclass
+class Begun:
+    """A step whose samples are in and whose learning is queued on the learner ranks (`call`; None: no group was
+    kept, nothing to learn)."""
+
+    results: list
+    batches: list
+    rewards_B_G: object  # torch.Tensor [B, G]
+    call: list | None
+    rollout_s: float  # how long the driver waited for the samples
+
+
+def _begin(
+    run: Run, cluster: Cluster, pipe: RolloutPipeline, state: RunState, logger: RunLogger, step: int, ahead: bool
+) -> Begun:
+    """Wait for step `step`'s samples, check its rewards, and queue its learning on the learner ranks. In its own
+    turn the rollouts its bound allows are queued first; begun `ahead` (during the step before) only its own
+    rollout, queued already, is collected: the ones after it wait for the revision being published."""
+    t0 = time.time()
+    results = pipe.collect(step) if ahead else pipe.samples(step)
+    rollout_s = time.time() - t0
+    _check_rewards(run.config, step, results, state, logger)
+    batches, rewards_B_G = make_batches(run.config, results)
+    call = submit_learn(cluster, batches, step) if batches else None
+    return Begun(results, batches, rewards_B_G, call, rollout_s)
 
 
 def _fmt(metrics: dict) -> str:
@@ -288,10 +336,12 @@ def _check_rewards(config: Config, step: int, results: list, state: RunState, lo
         )
 
 
-def _metrics(config, step, results, groups_kept, rewards_B_G, sums, rev, state, cluster, t0, times) -> dict:
+def _metrics(config, step, now: Begun, sums, rev, state, cluster, t0, times) -> dict:
     """The step's metrics. Time: rollout_s waited for the step's samples (the whole rollout when on-policy, only what
-    learning did not hide with rollout.max_staleness >= 1), learn_s the learner's optimizer step, sync_s publishing
-    the revision to the catalog and the rollout actors, idle_s = step_s - learn_s the learner group's idle time."""
+    learning did not hide with rollout.max_staleness >= 1), learn_s the slowest learner rank's own seconds in the
+    optimizer step, sync_s publishing the revision to the rollout actors, step_s the loop's seconds for the step,
+    and idle_s = step_s - learn_s the learner group's idle time."""
+    results, groups_kept, rewards_B_G = now.results, len(now.batches), now.rewards_B_G
     tokens = max(sums.get("tokens", 0.0), 1.0)
     gen_tokens = sum(len(c.tokens_R) for r in results for c in r.rollout.completions)
     step_s = time.time() - t0
@@ -316,7 +366,7 @@ def _metrics(config, step, results, groups_kept, rewards_B_G, sums, rev, state, 
         response_len_mean=gen_tokens / rewards_B_G.numel(),
         tokens_per_s=gen_tokens / max(step_s, 1e-9),
         **times,
-        idle_s=step_s - times["learn_s"],
+        idle_s=max(step_s - times["learn_s"], 0.0),  # 0 when the step was begun during the one before
         step_s=step_s,
         peak_memory_mb=sums.get("peak_memory_mb", 0.0),
         revision=rev.id,

@@ -64,6 +64,11 @@ class RolloutPipeline:
 
     def samples(self, step: int) -> list:
         """Queue the rollouts the bound allows, then wait for step `step`'s: its groups (GroupResult)."""
+        self.queue(step)
+        return self.collect(step)
+
+    def queue(self, step: int) -> None:
+        """Queue the rollouts of the steps up to `step`'s bound (queue_limit), each with the newest revision."""
         c = self.config
         limit = queue_limit(step, self.k, c.grpo.steps, c.checkpoint.every)
         while self.queued < limit:
@@ -71,6 +76,11 @@ class RolloutPipeline:
             examples = next(self.stream)
             call = submit_rollout(self.cluster, examples, c.grpo.seed + self.queued, *self.newest)
             self.in_flight.append((self.queued, call))
+
+    def collect(self, step: int) -> list:
+        """Wait for the rollout of step `step`, queued earlier: its groups (GroupResult)."""
+        if not self.in_flight:
+            raise MintError(f"rollout pipeline: asked for step {step} with no rollout in flight")
         queued_step, call = self.in_flight.popleft()
         if queued_step != step:  # the loop asks for the steps in order; anything else is a bug here
             raise MintError(f"rollout pipeline: asked for step {step}, the next in flight is step {queued_step}")

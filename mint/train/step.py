@@ -50,8 +50,14 @@ def _fingerprint(model_path: str) -> str:
 
 def learner_revision(cluster: Cluster) -> tuple[bytes, dict]:
     """The learner's LoRA state as safetensors bytes (from rank 0) and as tensors."""
-    data = gather([learner.lora_state_bytes.remote() for learner in cluster.learners], cluster, "publish")[0]
+    data = gather(request_state(cluster), cluster, "publish")[0]
     return data, from_bytes(data)
+
+
+def request_state(cluster: Cluster) -> list:
+    """Ask every learner rank for the adapter's safetensors bytes (rank 0's result holds them; every rank takes part,
+    since the state may be gathered), without waiting."""
+    return [learner.lora_state_bytes.remote() for learner in cluster.learners]
 
 
 class CatalogWriter:
@@ -110,6 +116,7 @@ def publish(
     metrics: dict | None = None,
     load: Callable[[Cluster, str, object], None] = load_revision,
     writer: CatalogWriter | None = None,
+    refs: list | None = None,
 ) -> Revision:
     """Publish the learner's LoRA state as a catalog revision and hot-load it into every rollout actor by id.
 
@@ -119,13 +126,15 @@ def publish(
     every actor; the overlapped loop queues the loads behind the rollouts in flight. Either way the bytes go from
     learner rank 0's object store to the actors (no driver hop). With a `writer` the catalog copy is written off
     the critical path (CatalogWriter); without, before this returns. An update that left the adapter unchanged
-    (same id as the parent) publishes nothing new and returns the parent.
+    (same id as the parent) publishes nothing new and returns the parent. `refs`: every rank's `lora_state_bytes`
+    call, when the caller made them already (`request_state`: the overlapped loop queues the next step's learning
+    behind them).
     """
     # Direct sync (the default `load`): the actors fetch rank 0's bytes from the learner's object store and hash
     # them once while the driver fetches its own copy for the catalog; the ids must agree.
     direct = load is load_revision
     t0 = time.perf_counter()
-    refs = [learner.lora_state_bytes.remote() for learner in cluster.learners]  # every rank: it may gather
+    refs = refs or request_state(cluster)
     syncs = submit_sync(cluster, refs[0]) if direct else None
     data = gather(refs, cluster, "publish")[0]
     tensors = from_bytes(data)
@@ -229,17 +238,24 @@ def make_batches(config: Config, results: list[GroupResult]) -> tuple[list[Group
     return batches, rewards_B_G
 
 
-def learn(cluster: Cluster, batches: list[GroupBatch], step: int) -> dict:
-    """One optimizer step over the learner group; returns the ranks' sums (loss, kl, clipped, tokens), maxima, the
-    global gradient norm and whether the step was skipped (a non-finite gradient: nothing changed)."""
-    cp, ep = cluster.context_parallel, cluster.expert_parallel
-    plans = plan_step(batches, len(cluster.learners), step, cp, ep)
-    futures = [lr.step.remote(p) for lr, p in zip(cluster.learners, plans, strict=True)]
+def submit_learn(cluster: Cluster, batches: list[GroupBatch], step: int) -> list:
+    """Queue one optimizer step on every learner rank without waiting: the calls, in rank order (collect_learn)."""
+    plans = plan_step(batches, len(cluster.learners), step, cluster.context_parallel, cluster.expert_parallel)
+    return [lr.step.remote(p) for lr, p in zip(cluster.learners, plans, strict=True)]
+
+
+def collect_learn(cluster: Cluster, futures: list, step: int) -> dict:
+    """Wait for submit_learn's calls: the ranks' sums (loss, kl, clipped, tokens), maxima, the global gradient norm,
+    whether the step was skipped (a non-finite gradient: nothing changed), and `learner_s`, the slowest rank's own
+    seconds in the step."""
     per_rank = gather(futures, cluster, f"step {step}")
     # Under context parallel the first rank of each CP group reports its replica; its CP peers ran the same groups.
-    replicas = [per_rank[ranks[0]] for ranks in cp_group_ranks(len(per_rank), cp, ep)]
+    replicas = [
+        per_rank[ranks[0]] for ranks in cp_group_ranks(len(per_rank), cluster.context_parallel, cluster.expert_parallel)
+    ]
     sums = {k: sum(r[k] for r in replicas) for k in ("loss", "kl", "clipped", "tokens")}
     sums.update({k: max(r[k] for r in per_rank) for k in ("peak_memory_mb", "logp_diff_max")})
+    sums["learner_s"] = max(r["seconds"] for r in per_rank)
     sums["grad_norm"] = per_rank[0]["grad_norm"]  # already global: DeepSpeed reduces it across ranks
     sums["lr"] = per_rank[0]["lr"]
     sums["skipped"] = any(r["skipped"] for r in per_rank)
