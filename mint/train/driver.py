@@ -230,10 +230,12 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
             t_sync = time.time()
             skipped = sums["skipped"]
             refs = None if skipped else request_state(cluster)
+            t_begun = time.time()
             if pipe.k and step < config.grpo.steps and pipe.queued > step and not run.interrupt.requested:
                 # The next step's rollout is in already: its learning queues on the learner right behind the state
                 # request above, and runs while the driver publishes this step's revision.
                 ahead = _begin(run, cluster, pipe, state, logger, step + 1, ahead=True)
+                t_sync += time.time() - t_begun  # the next step's wait for samples is its rollout_s, not sync_s
             if skipped:  # nothing changed: nothing to publish
                 state.skipped_steps += 1
                 state.bad_steps = state.bad_steps + 1 if sums["bad"] else 0
