@@ -149,7 +149,7 @@ def publish(
     if direct:
         synced, _ = finish_sync(cluster, syncs, refs[0])
         if synced != rid:
-            raise MintError(f"weight sync: the rollout actors hold {synced[:12]}, the catalog {rid[:12]}")
+            raise MintError(f"weight sync: the rollout actors hold {synced[:12]}, the learner's bytes are {rid[:12]}")
     if parent is not None and rid == parent.id:
         parent.sync_s = time.perf_counter() - t0
         return parent
