@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,3 +144,38 @@ def compile_for_hopper(kernel, cfg: dict, pointers: dict, floats=(), **constexpr
     except TypeError as err:  # the compiler's internal API changes between Triton releases
         pytest.skip(f"this Triton's ASTSource takes other arguments: {err}")
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def run_rank_processes(ctx, run_dir, world: int, main, args: tuple, timeout: float) -> list:
+    """Start main(run_dir, rank, *args) for every rank in `ctx`'s processes, wait up to `timeout` s, kill stragglers,
+    and return each rank's result (what `finish_rank` saved) in rank order. Any rank's traceback fails the test: the
+    rank that failed first, then its peers, which only report the closed connection."""
+    procs = [ctx.Process(target=main, args=(str(run_dir), r, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    errors = sorted(
+        (e.read_text() for e in Path(run_dir).glob("error_*.txt")),
+        key=lambda text: "by peer" in text or "Connection" in text,
+    )
+    assert not errors, "\n".join(errors)
+    assert [p.exitcode for p in procs] == [0] * world, [p.exitcode for p in procs]
+    return [torch.load(Path(run_dir) / f"result_{r}.pt", weights_only=False) for r in range(world)]
+
+
+def finish_rank(run_dir: str, rank: int, body) -> None:
+    """In a rank's process: save body()'s result, or its traceback, and leave without pytest's (and DeepSpeed's)
+    atexit handlers, which a forked child must not run."""
+    code = 0
+    try:
+        torch.set_num_threads(1)
+        torch.save(body(), f"{run_dir}/result_{rank}.pt")
+    except BaseException:
+        with open(f"{run_dir}/error_{rank}.txt", "w") as f:
+            f.write(f"rank {rank}:\n{traceback.format_exc()}")
+        code = 1
+    os._exit(code)

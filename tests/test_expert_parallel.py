@@ -10,13 +10,13 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-import traceback
 import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import finish_rank, run_rank_processes
 
 from longstraw.expert_parallel import combine, counted_sends, dispatch
 
@@ -33,26 +33,11 @@ def run_ranks(tmp_path, world: int, fn, *args, timeout: float = 240.0) -> list:
     ctx = mp.get_context("fork")  # fork: the children reuse the imported torch/transformers (spawn costs ~10 s each)
     run_dir = tmp_path / f"ranks_{fn.__name__}_{world}_{os.getpid()}_{len(list(tmp_path.iterdir()))}"
     run_dir.mkdir()
-    procs = [ctx.Process(target=_rank_main, args=(str(run_dir), r, world, fn, args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errors = [(run_dir / f"error_{r}.txt") for r in range(world)]
-    # The rank that failed first, then its peers (which only report the closed connection).
-    failed = sorted((e.read_text() for e in errors if e.exists()), key=lambda text: "by peer" in text)
-    assert not failed, "\n".join(failed)
-    assert [p.exitcode for p in procs] == [0] * world, [p.exitcode for p in procs]
-    return [torch.load(run_dir / f"result_{r}.pt", weights_only=False) for r in range(world)]
+    return run_rank_processes(ctx, run_dir, world, _rank_main, (world, fn, args), timeout)
 
 
 def _rank_main(run_dir: str, rank: int, world: int, fn, args) -> None:
-    code = 0
-    try:
-        torch.set_num_threads(1)
+    def body():
         dist.init_process_group(
             "gloo",
             init_method=f"file://{run_dir}/store",
@@ -61,13 +46,10 @@ def _rank_main(run_dir: str, rank: int, world: int, fn, args) -> None:
             timeout=datetime.timedelta(seconds=120),
         )
         result = fn(rank, world, *args)
-        torch.save(result, f"{run_dir}/result_{rank}.pt")
         dist.destroy_process_group()
-    except BaseException:
-        with open(f"{run_dir}/error_{rank}.txt", "w") as f:
-            f.write(f"rank {rank}:\n{traceback.format_exc()}")
-        code = 1
-    os._exit(code)  # skip pytest's atexit handlers in the forked child
+        return result
+
+    finish_rank(run_dir, rank, body)
 
 
 # ---- dispatch / combine ----------------------------------------------------------------------------------------------

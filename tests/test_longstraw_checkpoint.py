@@ -8,26 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import load_fp32
+from conftest import lora_model
 
 from longstraw.engine import UpdateSpec, grpo_update
 from longstraw.routing import RouteRecorder, SequenceRoutes
-from mint.config import LoraConfig
-from mint.models.lora import add_lora
 
 P = 17
 LENGTHS = (3, 40, 9)
-
-
-def _model(path: str):
-    base = load_fp32(path).requires_grad_(False)
-    model = add_lora(base, LoraConfig(), seed=0)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
 
 
 def _inputs(vocab: int):
@@ -53,7 +40,7 @@ def _grads(model, tokens_P, responses, mode, min_tokens, routes=None, measure=Fa
 
 @pytest.mark.parametrize("mode", ["exact", "detached"])
 def test_checkpointed_layers_give_the_same_gradients(random_tiny_path, mode):
-    model = _model(random_tiny_path)
+    model = lora_model(random_tiny_path)
     tokens_P, responses = _inputs(model.config.vocab_size)
     plain, _ = _grads(model, tokens_P, responses, mode, min_tokens=0)
     ckpt, _ = _grads(model, tokens_P, responses, mode, min_tokens=1)
@@ -64,7 +51,7 @@ def test_checkpointed_layers_give_the_same_gradients(random_tiny_path, mode):
 
 def test_checkpointing_replays_routes_in_the_recompute(random_qwen3_path):
     """With R3 the recompute in backward must see the same recorded routes as the forward: gradients match."""
-    model = _model(random_qwen3_path)
+    model = lora_model(random_qwen3_path)
     tokens_P, responses = _inputs(model.config.vocab_size)
     full = [torch.cat([tokens_P, r[:-1]]) for r in responses]
     recorded = []
@@ -91,7 +78,7 @@ def test_checkpointing_replays_routes_in_the_recompute(random_qwen3_path):
 
 
 def test_checkpointing_cuts_the_bytes_a_replay_saves(random_qwen3_path):
-    model = _model(random_qwen3_path)
+    model = lora_model(random_qwen3_path)
     tokens_P, responses = _inputs(model.config.vocab_size)
     _, plain = _grads(model, tokens_P, responses, "exact", 0, measure=True)
     _, ckpt = _grads(model, tokens_P, responses, "exact", 1, measure=True)

@@ -96,17 +96,24 @@ def _same_groups(got, want, atol=1e-5):
         assert torch.equal(c.routes_R_L_K, w.routes_R_L_K)
 
 
+def _assert_sampled_by_revision(world, rid, got, seed: int):
+    """Every group of `got` (PROMPTS sampled with `seed`) equals the built-in engine's with revision `rid` sampling
+    that prompt alone with group_seed(seed, i), as the HTTP backends seed group i. Returns the engine."""
+    engine = _engine(world, rid)
+    for i, (prompt, group) in enumerate(zip(PROMPTS, got, strict=True)):
+        _same_groups(group, engine.generate([prompt], G, PARAMS, seed=group_seed(seed, i))[0])
+    return engine
+
+
 def test_vllm_backend_equals_the_builtin_engine_and_load_inplace_swaps(world):
     layout = moe_layout(load_model(world["base"]).config)
     backend = http_backend("vllm", [world["url"]], layout, timeout=60)
     try:
         backend.load_adapter(world["a"], world["dirs"]["a"])
         got_a = backend.generate(PROMPTS, G, PARAMS, seed=11)
-        engine_a = _engine(world, world["a"])
-        # Group i is sent with group_seed(11, i), as the engine seeds it; mint serve samples a one-prompt request as
-        # the engine samples it alone, and the engine's batched call agrees with that within float noise.
-        for i, (prompt, group) in enumerate(zip(PROMPTS, got_a, strict=True)):
-            _same_groups(group, engine_a.generate([prompt], G, PARAMS, seed=group_seed(11, i))[0])
+        # mint serve samples a one-prompt request as the engine samples it alone, and the engine's batched call
+        # agrees with that within float noise.
+        engine_a = _assert_sampled_by_revision(world, world["a"], got_a, seed=11)
         for group, want in zip(got_a, engine_a.generate(PROMPTS, G, PARAMS, seed=11), strict=True):
             _same_groups(group, want, atol=1e-4)
         # load_inplace: the same lora_name now serves b (vLLM's RL weight swap); the server lists one adapter.
@@ -281,9 +288,7 @@ def test_sglang_backend_reads_the_documented_format(world, sglang):
     try:
         backend.load_adapter(world["a"], world["dirs"]["a"])
         got = backend.generate(PROMPTS, G, PARAMS, seed=21)
-        engine_a = _engine(world, world["a"])
-        for i, (prompt, group) in enumerate(zip(PROMPTS, got, strict=True)):
-            _same_groups(group, engine_a.generate([prompt], G, PARAMS, seed=group_seed(21, i))[0])
+        _assert_sampled_by_revision(world, world["a"], got, seed=21)
         # A new revision loads under its own name and the old one is unloaded after the switch.
         backend.load_adapter(world["b"], world["dirs"]["b"])
         backend.generate(PROMPTS[:1], G, PARAMS, seed=21)
@@ -402,10 +407,7 @@ def test_rollout_actor_writes_the_layout_its_engine_loads(world, tmp_path, layou
             assert meta["format"] == "peft" and revision_id(tensors) == a
         served = httpx.get(world["url"] + "/v1/models").json()["data"]
         assert [(m["id"], m["root"]) for m in served if m["parent"]] == [("mint-policy", a)]
-        got = actor.backend.generate(PROMPTS, G, PARAMS, seed=11)
-        engine_a = _engine(world, a)
-        for i, (prompt, group) in enumerate(zip(PROMPTS, got, strict=True)):
-            _same_groups(group, engine_a.generate([prompt], G, PARAMS, seed=group_seed(11, i))[0])
+        _assert_sampled_by_revision(world, a, actor.backend.generate(PROMPTS, G, PARAMS, seed=11), seed=11)
     finally:
         actor.backend.close()
 

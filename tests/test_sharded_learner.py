@@ -16,11 +16,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import traceback
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import finish_rank, run_rank_processes
 
 from mint.config import build_config
 from mint.train.inner_step import GroupBatch, MicroStep, StepPlan, longstraw_group_step, naive_group_step
@@ -52,33 +52,11 @@ def run_learners(tmp_path, world: int, fn, *args, timeout: float = 300.0) -> lis
     ctx.set_forkserver_preload(["torch", "transformers", "deepspeed", "mint.train.learner", "test_sharded_learner"])
     run_dir = tmp_path / f"learners_{fn.__name__}_{world}_{len(list(tmp_path.iterdir()))}"
     run_dir.mkdir()
-    port = _free_port()
-    procs = [ctx.Process(target=_main, args=(str(run_dir), r, world, port, fn, args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errors = sorted(
-        (e.read_text() for e in run_dir.glob("error_*.txt")), key=lambda text: "by peer" in text or "Connection" in text
-    )
-    assert not errors, "\n".join(errors)
-    assert [p.exitcode for p in procs] == [0] * world, [p.exitcode for p in procs]
-    return [torch.load(run_dir / f"result_{r}.pt", weights_only=False) for r in range(world)]
+    return run_rank_processes(ctx, run_dir, world, _main, (world, _free_port(), fn, args), timeout)
 
 
 def _main(run_dir: str, rank: int, world: int, port: int, fn, args) -> None:
-    code = 0
-    try:
-        torch.set_num_threads(1)
-        torch.save(fn(rank, world, port, *args), f"{run_dir}/result_{rank}.pt")
-    except BaseException:
-        with open(f"{run_dir}/error_{rank}.txt", "w") as f:
-            f.write(f"rank {rank}:\n{traceback.format_exc()}")
-        code = 1
-    os._exit(code)  # skip pytest's atexit handlers (and DeepSpeed's) in the forked child
+    finish_rank(run_dir, rank, lambda: fn(rank, world, port, *args))
 
 
 # ---- data ------------------------------------------------------------------------------------------------------------
