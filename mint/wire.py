@@ -3,7 +3,7 @@
 Ray pickles a torch tensor through torch's own storage reduction, which runs a `torch.save` into an in-memory zip
 file per storage: tens of microseconds per tensor each way, whatever its size. A step's rollout holds a few small
 tensors per response (tokens, logprobs, routes), so on the smoke recipe that overhead, not the bytes, was most of the
-time the driver spent collecting samples and handing them to the learner (bench/overlap.py; docs/benchmarks.md).
+time the driver spent collecting a step's samples (about 14 ms of it; bench/wire.py and docs/benchmarks.md).
 A numpy array pickles as a header and one buffer (out of band under protocol 5, as Ray uses it).
 
 Dataclasses that cross Ray inherit `TensorsAsArrays`: when pickled, their CPU tensor fields (alone or in a list)

@@ -223,7 +223,7 @@ def test_trainer_retention_exports_peft_dirs_and_reclaims_old_tensors(tmp_path):
     metas = []
     for step in range(4):  # as the trainer does: publish, then save (which applies retention)
         metas.append(_chain(cat, "r", 1, step0=step, parent=metas[-1].id if metas else None)[0])
-        save_revision(config, out, cat, Revision(metas[-1].id, step, b"", metas[-1].parent))
+        save_revision(config, out, cat, Revision(metas[-1].id, step, None, metas[-1].parent))
     assert sorted(p.name for p in (out / "adapters").iterdir()) == ["step_000002", "step_000003"]
     exported = json.loads((out / "adapters/step_000003" / META_FILE).read_text())
     assert exported["id"] == metas[3].id and exported["step"] == 3 and exported["parent"] == metas[2].id

@@ -160,11 +160,13 @@ class Catalog:
         base_model: str = "",
         base_fingerprint: str = "",
         metrics: dict[str, Any] | None = None,
+        admitted: str | None = None,
     ) -> RevisionMeta:
         """Publish tensors as a revision and return its entry. Idempotent: the same tensors are the same revision,
         and the first publish's metadata stands. The parent must already be in this catalog (so lineage is acyclic).
-        Tensors holding any NaN or inf are refused before anything is written (`admit`)."""
-        rid = publishable_id(tensors, run, step)
+        Tensors holding any NaN or inf are refused before anything is written (`admit`); `admitted` is the id `admit`
+        already gave these very tensors, whose check and hash are then not done twice."""
+        rid = admitted or publishable_id(tensors, run, step)
         existing = self.find(rid)
         if existing is not None and existing.stored:
             return existing

@@ -53,7 +53,6 @@ from mint.train.step import (
     CatalogWriter,
     Revision,
     collect_learn,
-    learner_revision,
     make_batches,
     publish,
     request_state,
@@ -162,9 +161,10 @@ def _session(run: Run, restarts: int) -> dict:
             gather(
                 [lr.load_checkpoint.remote(str(latest), state.revision) for lr in cluster.learners], cluster, "restore"
             )
-            data, _ = learner_revision(cluster)
-            rev = Revision(state.revision, state.step, data)
-            load_revision(cluster, rev.id, ray.put(data))
+            refs = request_state(cluster)
+            gather(refs, cluster, "restore")
+            rev = Revision(state.revision, state.step, refs[0])
+            load_revision(cluster, rev.id, rev.ref)  # each actor checks the restored bytes hash to the revision
         else:
             rev = publish(cluster, store, config, run.model_path, adapter_config, 0, None)
             state.revision = rev.id
@@ -213,7 +213,7 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
     if held_out and state.step == 0:  # a resumed run keeps the first eval its checkpoint holds (issue 14)
         state.eval_first = evaluate(cluster, held_out, config, 0, rev.id)
         logger.note(f"mint: eval before training: {_fmt(state.eval_first)}")
-    pipe = RolloutPipeline(cluster, config, stream, rev.id, ray.put(rev.data), state.step)
+    pipe = RolloutPipeline(cluster, config, stream, rev.id, rev.ref, state.step)
     ahead: Begun | None = None  # the next step, begun before this one's publish (k >= 1)
     with CatalogWriter() as writer:  # each revision's catalog copy is written while the learner trains on the next
         while ahead is not None or (state.step < config.grpo.steps and not run.interrupt.requested):
@@ -255,7 +255,7 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
                     writer,
                     refs,
                 )
-                pipe.advance(rev.id, rev.data)
+                pipe.advance(rev.id, rev.ref)
             if ahead is not None:
                 pipe.queue(step + 1)  # the rollouts beyond it sample with this step's revision
             times["sync_s"] = time.time() - t_sync

@@ -352,10 +352,11 @@ class LearnerActor:
             list(params), modifier_rank=None, enabled=self.config.learner.zero_stage == 3
         )
 
-    def _full_lora_state(self) -> dict[str, torch.Tensor]:
+    def _full_lora_state(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """The whole adapter, every expert, as `lora_state` of an unsharded model gives it. Collective under ZeRO-3
         and under expert parallel, where each EP group gathers its experts' LoRA to its first rank
-        (`gather_expert_lora`) and the other ranks get {}."""
+        (`gather_expert_lora`) and the other ranks get {}. keep=False: this rank only takes part in the collective
+        and copies nothing (without expert parallel)."""
         from mint.models.expert_parallel import gather_expert_lora
         from mint.models.lora import lora_state
 
@@ -363,14 +364,14 @@ class LearnerActor:
         if self.ep_group is not None:
             return gather_expert_lora(model, self.ep_group)
         with self._gathered(p for p in model.parameters() if p.requires_grad):
-            return lora_state(model)
+            return lora_state(model) if keep else {}
 
     def lora_state_bytes(self) -> bytes | None:
         """The adapter as safetensors bytes, on rank 0 (collective under ZeRO-3 and expert parallel: every rank must
         call it). Under expert parallel it holds every expert, with the names and shapes of the unsharded one."""
         from mint.hub import to_bytes
 
-        state = self._full_lora_state()
+        state = self._full_lora_state(keep=self.rank == 0)  # only rank 0's copy is sent
         return to_bytes(state) if self.rank == 0 else None
 
     def adapter_config(self, base_path: str) -> dict:

@@ -60,7 +60,6 @@ class RolloutPipeline:
         self.newest = (rev_id, data_ref)
         self.version = {rev_id: 0}  # revision id -> how many revisions this pipeline has loaded before it
         self.loads: list = []  # revision loads queued on the actors and not yet seen to finish
-        self._refs: dict[str, object] = {}  # revision id -> its bytes in the object store, as queued
 
     def samples(self, step: int) -> list:
         """Queue the rollouts the bound allows, then wait for step `step`'s: its groups (GroupResult)."""
@@ -94,16 +93,14 @@ class RolloutPipeline:
         return load_revision if self.k == 0 else self._queue_load
 
     def _queue_load(self, cluster: Cluster, rev_id: str, data_ref) -> None:
-        self._refs[rev_id] = data_ref
         self.loads += [(future, cluster.engine_restarts) for future in submit_loads(cluster, rev_id, data_ref)]
 
-    def advance(self, rev_id: str, data: bytes) -> None:
-        """After a publish: the next rollouts sample with `rev_id` (its safetensors bytes `data`)."""
+    def advance(self, rev_id: str, data_ref) -> None:
+        """After a publish: the next rollouts sample with `rev_id` (`data_ref`: its bytes in the object store)."""
         if rev_id == self.newest[0]:
             return
-        ref = self._refs.pop(rev_id, None) or ray.put(data)  # on-policy the loads went the direct way: no ref here
         self.version[rev_id] = len(self.version)
-        self.newest = (rev_id, ref)
+        self.newest = (rev_id, data_ref)
 
     def staleness(self, results: list) -> dict[str, float]:
         """How many revisions the step's samples are behind the one the learner trained them with (mean, max)."""

@@ -35,7 +35,7 @@ from mint.train.rollout_actor import GroupResult
 class Revision:
     id: str
     step: int
-    data: bytes = field(repr=False)
+    ref: object = field(repr=False)  # its safetensors bytes in the object store (learner rank 0's result): reloads
     parent: str | None = None
     sync_s: float = 0.0  # seconds from asking the learner for its state to every rollout actor serving it
 
@@ -48,12 +48,6 @@ def _fingerprint(model_path: str) -> str:
     return base_fingerprint(model_path)
 
 
-def learner_revision(cluster: Cluster) -> tuple[bytes, dict]:
-    """The learner's LoRA state as safetensors bytes (from rank 0) and as tensors."""
-    data = gather(request_state(cluster), cluster, "publish")[0]
-    return data, from_bytes(data)
-
-
 def request_state(cluster: Cluster) -> list:
     """Ask every learner rank for the adapter's safetensors bytes (rank 0's result holds them; every rank takes part,
     since the state may be gathered), without waiting."""
@@ -61,12 +55,13 @@ def request_state(cluster: Cluster) -> list:
 
 
 class CatalogWriter:
-    """The catalog copies of a run's revisions, written on one worker thread in publish order, so the hash, write and
-    fsync of revision t (and its step's rollout records) run while the learner trains on step t + 1.
+    """The catalog copies of a run's revisions, written on one worker thread in publish order, so the write and fsync
+    of revision t (and its step's rollout records) run while the learner trains on step t + 1.
 
-    A failed write (a full disk, a parent missing from the catalog) is raised by the next `submit` or `wait`, so a
-    run stops at most one step after it. Call `wait` before anything reads the catalog (an export, a checkpoint, the
-    end of the run); `close` waits, then ends the thread.
+    A failed write (a full disk, a parent missing from the catalog) is raised by the first `submit` that finds it
+    finished, or by `wait`: the run stops a step or two later, and at the latest before its next export, checkpoint
+    or end. Call `wait` before anything reads the catalog (an export, a checkpoint, the end of the run); `close`
+    waits, then ends the thread.
     """
 
     def __init__(self):
@@ -153,7 +148,7 @@ def publish(
     if parent is not None and rid == parent.id:
         parent.sync_s = time.perf_counter() - t0
         return parent
-    rev = Revision(rid, step, data, parent.id if parent is not None else None)
+    rev = Revision(rid, step, refs[0], parent.id if parent is not None else None)
     if not direct:
         load(cluster, rid, refs[0])
     rev.sync_s = time.perf_counter() - t0
@@ -168,7 +163,7 @@ def _catalog_copy(store, config, model_path, adapter_config, step, parent, resul
     run = config.logging.name
     if results and parent is not None:
         write_step(store, run, step, results[0].revision or parent.id, results, config.mint.rollout_records)
-    meta = store.put(  # returns the existing entry, writing nothing, for tensors already in the catalog
+    store.put(  # writes nothing for tensors already in the catalog
         tensors,
         adapter_config,
         run=run,
@@ -178,9 +173,8 @@ def _catalog_copy(store, config, model_path, adapter_config, step, parent, resul
         base_model=config.model.path,
         base_fingerprint=_fingerprint(model_path),
         metrics=metrics or {},
+        admitted=rid,  # checked and hashed by publish already
     )
-    if meta.id != rid:  # the same canonical hash on both sides: only a bug gets here
-        raise MintError(f"catalog: revision {rid[:12]} was stored as {meta.id[:12]}")
     return time.perf_counter() - t0
 
 
