@@ -79,7 +79,7 @@ def test_context_parallel_groups_stay_inside_blocks_of_ep_times_cp_ranks():
         assert all(plans[r] is plans[ranks[0]] for r in ranks)
 
 
-def test_the_catalog_writer_writes_in_order_off_the_callers_thread_and_raises_a_failure_at_the_next_call():
+def test_the_catalog_writer_writes_in_order_off_the_callers_thread_and_raises_a_failed_write_later():
     release, order, threads = threading.Event(), [], set()
 
     def copy(n: int, seconds: float):
