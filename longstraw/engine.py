@@ -58,6 +58,14 @@ class UpdateSpec:
     measure_graph: bool = field(
         default=False, metadata={"help": "Meter bytes saved for backward per replay (graph_bytes_max)."}
     )
+    measure: bool = field(
+        default=True,
+        metadata={
+            "help": "Time the phases and meter the update's peak: 8 to 10 CUDA synchronizes (two per timed phase, "
+            "two for the meter), and the meter resets the device's process-wide peak. False inside a caller that "
+            "meters its own step (the learner): then no synchronize, no reset, and the timings and peak are None."
+        },
+    )
     max_prefix_age: int = field(
         default=0, metadata={"help": "resident: recapture once a prefix has served this many updates (0 = never)."}
     )
@@ -100,16 +108,17 @@ class UpdateMetrics:
     stats: dict[str, float]  # sums over responses of the objective's stats
     tokens: int  # response tokens scored (sum of R_i)
     responses: int
-    peak_memory_bytes: int  # measured peak above the level at entry (RSS on CPU, allocator on CUDA)
+    peak_memory_bytes: int | None  # measured peak above the level at entry (RSS on CPU, allocator on CUDA)
     prefix_bytes: int  # M_prefix: the captured state
     dkv_bytes: int  # exact mode's gradient buffer (fp32), else 0
     graph_bytes_max: int  # M_graph: max over replays of bytes saved for backward (measure_graph), else 0
     prompt_graph_bytes_max: int  # exact: max over prompt chunks of bytes saved for backward (measure_graph)
     prefix_age: int  # updates since the prefix was captured (0 unless resident)
-    capture_s: float
-    ref_s: float
-    replay_s: float
-    prompt_backward_s: float
+    # Seconds per phase. These and peak_memory_bytes are None when the spec's `measure` is off.
+    capture_s: float | None
+    ref_s: float | None
+    replay_s: float | None
+    prompt_backward_s: float | None
 
 
 @dataclass
@@ -184,11 +193,13 @@ def _update(model, tokens_P, responses, objective, spec, adapter, capture, backw
         if not torch.equal(capture.tokens_P, tokens_P):
             raise LongStrawError("resident capture was taken for a different prompt")
 
-    meter = PeakMeter(tokens_P.device)
-    meter.start()
-    ref_logps, ref_s = _score_reference(model, adapter, tokens_P, responses, spec, routes)
+    meter = PeakMeter(tokens_P.device) if spec.measure else None
+    if meter is not None:
+        meter.start()
+    clock = _Clock(tokens_P.device, spec.measure)
+    ref_logps, ref_s = _score_reference(model, adapter, tokens_P, responses, spec, routes, clock)
 
-    t0 = _now(tokens_P)
+    t0 = clock.now()
     age = 0
     if spec.mode == "resident":
         if spec.max_prefix_age and capture.age >= spec.max_prefix_age:
@@ -198,14 +209,14 @@ def _update(model, tokens_P, responses, objective, spec, adapter, capture, backw
     else:
         state = adapter.capture(tokens_P[:-1], spec.chunk_size)
     grad = state.zeros_like() if spec.mode == "exact" else None
-    capture_s = _now(tokens_P) - t0
+    capture_s = clock.since(t0)
 
-    t0 = _now(tokens_P)
+    t0 = clock.now()
     replay = (adapter, model, tokens_P, responses, objective, spec, state, grad, ref_logps, backward, routes)
     loss, stats, graph_bytes = _replay(*replay)
-    replay_s = _now(tokens_P) - t0
+    replay_s = clock.since(t0)
 
-    t0 = _now(tokens_P)
+    t0 = clock.now()
     dkv_bytes = prompt_graph_bytes = 0
     if grad is not None:
         dkv_bytes = grad.nbytes
@@ -217,7 +228,7 @@ def _update(model, tokens_P, responses, objective, spec, adapter, capture, backw
             tokens_P[:-1], state, grad, spec.chunk_size, meter_factory, backward=backward
         )
         del grad
-    prompt_backward_s = _now(tokens_P) - t0
+    prompt_backward_s = clock.since(t0)
     if capture is not None:
         capture.age += 1
 
@@ -227,7 +238,7 @@ def _update(model, tokens_P, responses, objective, spec, adapter, capture, backw
         stats=stats,
         tokens=sum(int(r.shape[0]) for r in responses),
         responses=len(responses),
-        peak_memory_bytes=meter.peak(),
+        peak_memory_bytes=meter.peak() if meter is not None else None,
         prefix_bytes=state.nbytes,
         dkv_bytes=dkv_bytes,
         graph_bytes_max=graph_bytes,
@@ -258,13 +269,13 @@ def score_response(
     return adapter.logprobs(hidden_T_Hd, response_R, temperature)
 
 
-def _score_reference(model, adapter, tokens_P, responses, spec, routes) -> tuple[list[torch.Tensor | None], float]:
+def _score_reference(model, adapter, tokens_P, responses, spec, routes, clock) -> tuple[list, float | None]:
     """Reference logprobs per response (adapter disabled, no graph), from its own capture, freed before returning."""
     if not spec.need_ref:
-        return [None] * len(responses), 0.0
+        return [None] * len(responses), 0.0 if spec.measure else None
     if not hasattr(model, "disable_adapter"):
         raise LongStrawError("need_ref: the model has no disable_adapter() (not a PEFT model)")
-    t0 = _now(tokens_P)
+    t0 = clock.now()
     with model.disable_adapter(), torch.no_grad():
         ref_state = adapter.capture(tokens_P[:-1], spec.chunk_size)
         ref_logps = []
@@ -273,7 +284,7 @@ def _score_reference(model, adapter, tokens_P, responses, spec, routes) -> tuple
                 routes.current = i
             ref_logps.append(score_response(adapter, tokens_P, r, ref_state, None, 0, spec.temperature))
     del ref_state
-    return ref_logps, _now(tokens_P) - t0
+    return ref_logps, clock.since(t0)
 
 
 def _replay(adapter, model, tokens_P, responses, objective, spec, state, grad, ref_logps, backward, routes):
@@ -315,7 +326,19 @@ def _check_no_dropout(model: nn.Module) -> None:
             )
 
 
-def _now(like: torch.Tensor) -> float:
-    if like.device.type == "cuda":
-        torch.cuda.synchronize(like.device)
-    return time.perf_counter()
+class _Clock:
+    """Phase timings. On CUDA each reading synchronizes first, so a phase's queued kernels count in its time; with
+    `on` False nothing is read or synchronized and every duration is None."""
+
+    def __init__(self, device: torch.device, on: bool):
+        self.device, self.on = torch.device(device), on
+
+    def now(self) -> float:
+        if not self.on:
+            return 0.0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def since(self, t0: float) -> float | None:
+        return self.now() - t0 if self.on else None

@@ -1,5 +1,11 @@
 """Measured memory: the peak above a baseline (process RSS on CPU, the caching allocator on CUDA) and the bytes a
 forward saves for backward (saved-tensor hooks over unique storages). Nothing here estimates.
+
+A device's peak counter is process-wide (CUDA's allocator statistics, the kernel's VmHWM), so a reset by anyone ends
+the record of every window open on that device. Every meter here resets through `reset_peak`, and on CPU it also
+restarts the open `TensorPeak` windows, so the CPU meters see a reset exactly as CUDA's counter does and a test on
+CPU catches code that resets the peak where it should not. The rule that follows: the outermost caller that reports
+a peak (the learner, once per step) resets it; code nested inside never does (`UpdateSpec.measure=False`).
 """
 
 from __future__ import annotations
@@ -10,6 +16,33 @@ import torch
 
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
+
+
+_RESET_EVENT = "longstraw.memory.reset_peak"  # marks a reset in an open TensorPeak's profiler log
+_open_tensor_peaks: list[TensorPeak] = []  # CPU TensorPeak windows now open, innermost last
+
+
+def reset_peak(device: torch.device | str) -> bool:
+    """Reset the device's process-wide peak to the memory in use now; True when the reset went through.
+
+    CUDA: torch.cuda.reset_peak_memory_stats after a synchronize (always True). CPU: VmHWM (and with it ru_maxrss)
+    through /proc/self/clear_refs ("5", Linux >= 4.0; False where the write is refused), and every open CPU
+    `TensorPeak` restarts its peak from the tensor bytes live now.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    if _open_tensor_peaks:
+        with torch.profiler.record_function(_RESET_EVENT):
+            pass
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def _status_kib(*fields: str) -> tuple[int, ...]:
@@ -31,9 +64,9 @@ class PeakMeter:
 
     CPU: VmHWM (peak RSS) after resetting it through /proc/self/clear_refs ("5", Linux >= 4.0), minus VmRSS at
     start. RSS counts what the allocator holds from the OS, so freed-but-cached heap pages count as used; the
-    benchmark runs each configuration in a fresh process for that reason. The reset is process-wide: a nested
-    meter's start() (grpo_update starts one) clears the outer meter's record too, which is harmless only while the
-    level between the two starts stays at the outer baseline.
+    benchmark runs each configuration in a fresh process for that reason. The reset is process-wide (`reset_peak`):
+    a nested meter's start() (a measuring grpo_update starts one) ends the outer meter's record, so code that runs
+    inside a metered step must not start one.
     Whether the reset worked is checked, not assumed: `start()` reads VmHWM before and after writing, and counts the
     reset as working when VmHWM dropped, or when it equals VmRSS right after (then no earlier, higher peak is
     hidden in it). Where the write is refused or VmHWM keeps an earlier, higher value, `reset_worked` and
@@ -51,18 +84,11 @@ class PeakMeter:
 
     def start(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self.reset_worked = reset_peak(self.device)
             self.baseline = torch.cuda.memory_allocated(self.device)
-            self.reset_worked = True
             return
         (hwm_before,) = _status_kib("VmHWM")
-        try:
-            with open(_CLEAR_REFS, "w") as f:
-                f.write("5")
-            written = True
-        except OSError:
-            written = False
+        written = reset_peak(self.device)
         hwm_after, rss = _status_kib("VmHWM", "VmRSS")
         self.reset_worked = written and (hwm_after < hwm_before or hwm_after <= rss)
         self.resettable = self.resettable and self.reset_worked
@@ -129,7 +155,9 @@ class TensorPeak:
     free inside the interval counts, so tensors that existed before it (weights) are not counted, and a free of one
     of them lowers the running total. RSS (PeakMeter) also counts heap pages glibc keeps after a free, which on a
     long prefix grows with the number of chunks run; this meter is the CPU counterpart of the GPU figure. The
-    profiler records every op, so use it in benchmarks, not in a training step.
+    profiler records every op, so use it in benchmarks and tests, not in a training step.
+    A `reset_peak` inside the interval acts as on CUDA: the peak restarts from the bytes live at the reset (still
+    above the level at entry), so what came before it is forgotten.
     """
 
     def __init__(self, device: torch.device | str = "cpu"):
@@ -140,14 +168,14 @@ class TensorPeak:
 
     def __enter__(self) -> TensorPeak:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            reset_peak(self.device)
             self._baseline = torch.cuda.memory_allocated(self.device)
         else:
             from torch.profiler import ProfilerActivity, profile
 
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._prof.__enter__()
+            _open_tensor_peaks.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -157,14 +185,18 @@ class TensorPeak:
             return
         from torch.profiler import DeviceType
 
+        _open_tensor_peaks.remove(self)
         self._prof.__exit__(*exc)
         events = self._prof.profiler.kineto_results.events()
+        # (time, 0, bytes) for an allocation (+) or a free (-); (time, 1, 0) for a reset, after same-time changes.
         changes = sorted(
-            (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+            (e.start_ns(), 0, e.nbytes()) if e.name() == "[memory]" else (e.start_ns(), 1, 0)
+            for e in events
+            if e.device_type() == DeviceType.CPU and e.name() in ("[memory]", _RESET_EVENT)
         )
         live = peak = 0
-        for _, n in changes:
+        for _, is_reset, n in changes:
             live += n
-            peak = max(peak, live)
+            peak = live if is_reset else max(peak, live)
         self.nbytes = peak
         self._prof = None

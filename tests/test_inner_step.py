@@ -8,20 +8,26 @@ was a plain loss.backward() hid a defect under fp16 loss scaling.)
 from __future__ import annotations
 
 import dataclasses
+import math
 import socket
 
 import pytest
 import torch
 
+from longstraw.memory import TensorPeak
 from mint.config import build_config
 from mint.rl.grpo import per_token_objective
 from mint.train.inner_step import (
     GroupBatch,
+    GroupObjective,
     MicroStep,
+    StepContext,
     StepPlan,
     _score_padded,
+    _statuses,
     deepspeed_loss_scale,
     longstraw_group_step,
+    loss_spec,
     naive_group_step,
 )
 from mint.train.learner import LearnerActor
@@ -200,3 +206,140 @@ def test_exact_mode_under_the_fp16_loss_scale_equals_the_naive_step(random_qwen3
     reference = _lora_grads(fp32)
     assert _cosine(naive / 1024.0, reference) > 0.999
     assert float((naive / 1024.0).norm() / reference.norm()) == pytest.approx(1.0, abs=0.02)
+
+
+# Stale rollout logprobs that IcePop masks (ratio_high, ratio_high, ratio_low): (response, token) -> logprob.
+STALE = {(0, 1): -100.0, (1, 0): -math.inf, (0, 3): 50.0}
+
+
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_masked_token_with_rollout_logprob_minus_100_or_inf_adds_nothing_not_nan(adv):
+    """Off-policy objective (rollout.max_staleness=1, the ratio against the rollout's logprobs): the rollout gave
+    tokens 1, 2, 3 logprobs -100, -inf and +50 where the learner has about -2, and IcePop masks all three. The
+    ratio was formed unclamped and the mask multiplied afterwards: exp(98) = inf, so the loss was inf x 0 = nan for
+    A < 0 and the gradient 0 x inf = nan for either sign. Weight 0 must mean absent: value and gradient equal the
+    objective of the kept tokens alone, and the masked tokens' gradient is exactly 0."""
+    config = build_config({}, ["rollout.max_staleness=1", "grpo.kl_coef=0.05", "grpo.r3=false"])
+    ctx = StepContext(None, config, loss_spec(config), None, torch.device("cpu"), 1)
+    rollout_R = torch.tensor([-2.1, -100.0, -math.inf, 50.0, -1.4])
+    ref_R = torch.tensor([-2.2, -1.0, -3.0, -0.5, -1.6])
+    group = GroupBatch(torch.tensor([3, 9, 27]), [torch.tensor([7, 11, 13, 17, 19])], [rollout_R], torch.tensor([adv]))
+    plan = StepPlan([MicroStep(group, True)], total_tokens=5, total_seqs=1)
+    objective = GroupObjective(ctx, group, plan, _statuses(group, None))
+    logp_R = torch.tensor([-2.0, -2.0, -2.0, -1.5, -1.5], requires_grad=True)
+    loss = objective.response_loss(0, logp_R, ref_R, None, None)
+    loss.backward()
+    trust = objective.stats()["trust"]
+    assert (trust.kept, trust.masked["ratio_high"], trust.masked["ratio_low"]) == (2, 2, 1)
+    assert math.isfinite(float(loss.detach())) and bool(torch.isfinite(logp_R.grad).all())
+    assert logp_R.grad[1:4].tolist() == [0.0, 0.0, 0.0]
+
+    kept = torch.tensor([0, 4])
+    logp_K = logp_R.detach()[kept].requires_grad_()
+    loss_K, st = per_token_objective(logp_K, rollout_R[kept], torch.tensor(adv), ctx.spec, ref_logp_T=ref_R[kept])
+    absent = loss_K.sum() / 5  # token-mean over all 5 tokens: a masked token stays in the normalizer
+    absent.backward()
+    # The same fp32 ops on the same values: equal up to the sum's order.
+    assert float(loss.detach()) == pytest.approx(float(absent.detach()), abs=1e-7)
+    assert torch.allclose(logp_R.grad[kept], logp_K.grad, atol=1e-7)
+    assert objective.stats()["kl"] == pytest.approx(float(st["kl_T"].sum()), abs=1e-7)
+
+
+def _stale_group(learner: LearnerActor, adv: float) -> GroupBatch:
+    """Prompt 17, responses 4 and 3 (the shape of the failing qwen3 step). Rollout logprobs are the learner's own
+    (ratio 1, kept) except the STALE tokens, which IcePop masks."""
+    gen = torch.Generator().manual_seed(2)
+    vocab = learner.engine.module.config.vocab_size
+    prompt = torch.randint(vocab, (17,), generator=gen)
+    responses = [torch.randint(vocab, (n,), generator=gen) for n in (4, 3)]
+    group = GroupBatch(prompt, responses, [torch.zeros(len(r)) for r in responses], torch.tensor([adv, -adv / 2]))
+    own, _ = _score_padded(learner.ctx, group, with_grad=False, routes=learner.ctx.group_routes(group))
+    rollout = [lp.detach().clone() for lp in own]
+    for (i, j), value in STALE.items():
+        rollout[i][j] = value
+    return dataclasses.replace(group, rollout_logprobs=rollout)
+
+
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+@pytest.mark.parametrize("inner_step", [naive_group_step, longstraw_group_step], ids=["naive", "longstraw"])
+def test_stale_step_with_rollout_logprob_minus_100_or_inf_has_finite_grads_equal_to_dropping_them(
+    random_qwen3_path, inner_step, adv
+):
+    """A learner step under rollout.max_staleness=1 (real DeepSpeed), prompt 17 and responses 4 and 3, where the
+    rollout gave three tokens logprobs -100, -inf and +50 and IcePop masked them. Every LoRA gradient of this
+    step went nan (all 36 tensors on qwen3, so the step was skipped), and the loss too for a negative advantage.
+    Now the loss and every gradient are finite and equal those of the same batch with the three tokens left out of
+    the loss by hand, for both signs of the advantage, in the naive and the LongStraw (exact) steps."""
+    overrides = ["rollout.max_staleness=1", "grpo.r3=false", "grpo.kl_coef=0.05", "longstraw.mode=exact"]
+    learner = real_learner(random_qwen3_path, overrides)
+    group = _stale_group(learner, adv)
+    micro, plan = _one(group)
+    stats, _ = inner_step(learner.ctx, micro, plan, None, last=True)
+    assert stats["trust"].kept == 4 and sum(stats["trust"].masked.values()) == 3
+    from deepspeed.utils import safe_get_full_grad
+
+    lora = [p for p in learner.engine.module.parameters() if p.requires_grad]
+    assert all(bool(torch.isfinite(safe_get_full_grad(p)).all()) for p in lora)
+    assert math.isfinite(stats["loss"])
+    grads = _lora_grads(learner)
+    learner.engine.optimizer.zero_grad()
+
+    # By hand: the full-sequence logprobs, the per-token objective on the kept tokens only, token-mean over all 7.
+    routes = learner.ctx.group_routes(group)
+    logp, _ = _score_padded(learner.ctx, group, with_grad=True, routes=routes)
+    ref, _ = _score_padded(learner.ctx, group, with_grad=False, adapter=False, routes=routes)
+    manual = 0.0
+    for i, logp_R in enumerate(logp):
+        keep = torch.tensor([(i, j) not in STALE for j in range(len(logp_R))])
+        loss_K, _ = per_token_objective(
+            logp_R[keep], group.rollout_logprobs[i][keep], group.adv_G[i], learner.ctx.spec, ref[i][keep]
+        )
+        manual = manual + loss_K.sum() / 7
+    learner.engine.backward(manual)
+    assert float(grads.abs().sum()) > 0
+    # fp32; LongStraw exact is held to the naive step at this tolerance (test_longstraw_exact_step_equals_...).
+    assert torch.allclose(grads, _lora_grads(learner), atol=1e-6, rtol=1e-4)
+    assert stats["loss"] == pytest.approx(float(manual.detach()), abs=1e-6)
+
+
+def _sized_group(vocab: int, prompt_len: int, lengths: tuple[int, ...], seed: int) -> GroupBatch:
+    gen = torch.Generator().manual_seed(seed)
+    responses = [torch.randint(vocab, (n,), generator=gen) for n in lengths]
+    adv = torch.linspace(1.0, -1.0, len(lengths)) if len(lengths) > 1 else torch.ones(1)
+    return GroupBatch(
+        torch.randint(vocab, (prompt_len,), generator=gen), responses, [torch.zeros(n) for n in lengths], adv
+    )
+
+
+def test_step_peak_of_a_larger_first_group_and_a_smaller_second_is_the_first_groups(random_qwen3_path):
+    """A LongStraw learner step of two groups, the first the larger (prompt 48, three responses of 16, exact
+    mode) and the second tiny (prompt 3, one token). grpo_update reset the device's peak for every group, so the
+    step's peak (read once after the step: max_memory_allocated on CUDA) was the second group's. Metered here by
+    the CPU TensorPeak, which sees every reset_peak as CUDA's counter does: the step's peak must be at least the
+    first group's own."""
+    learner = real_learner(random_qwen3_path, ["grpo.icepop=false", "grpo.r3=false", "longstraw.mode=exact"])
+    vocab = learner.engine.module.config.vocab_size
+    big, small = _sized_group(vocab, 48, (16, 16, 16), 3), _sized_group(vocab, 3, (1,), 4)
+    plan = StepPlan([MicroStep(big, True), MicroStep(small, True)], total_tokens=49, total_seqs=4)
+
+    # No accumulation boundary: at the boundary ZeRO's reduction allocates its 5e8-element bucket (2 GB) and that
+    # would be every step's peak; the groups' own work is what a reset may hide.
+    def step() -> None:
+        for micro in plan.micro_steps:
+            longstraw_group_step(learner.ctx, micro, plan, None, last=False)
+        learner.engine.optimizer.zero_grad()
+
+    step()  # the first backward allocates the gradients; measure steady steps
+    alone = {}
+    for name, micro in (("big", plan.micro_steps[0]), ("small", plan.micro_steps[1])):
+        with TensorPeak() as meter:
+            longstraw_group_step(learner.ctx, micro, plan, None, last=False)
+        learner.engine.optimizer.zero_grad()
+        alone[name] = meter.nbytes
+    with TensorPeak() as meter:
+        step()
+    # Measured 561 KB and 156 KB. The slack (64 KiB, for bookkeeping that may differ between a lone group and a
+    # step) is far below their gap; with the per-group reset the step read exactly the second group's 156 KB.
+    slack = 64 * 1024
+    assert alone["big"] > alone["small"] + 4 * slack, alone
+    assert abs(meter.nbytes - alone["big"]) <= slack, (meter.nbytes, alone)

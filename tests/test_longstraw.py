@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from longstraw.adapters import KVState, adapter_for
 from longstraw.engine import PrefixCapture, UpdateMetrics, UpdateSpec, capture_prefix, grpo_update, score_response
 from longstraw.errors import LongStrawError
+from longstraw.memory import TensorPeak
 from longstraw.scoring import token_logprobs
 from mint.config import LoraConfig
 from mint.models.lora import add_lora
@@ -297,3 +298,54 @@ def test_active_dropout_is_refused(random_qwen3_path):
         grpo_update(model, tokens_P, responses, _objective, UpdateSpec())
     model.eval()
     grpo_update(model, tokens_P, responses, _objective, UpdateSpec())
+
+
+def test_update_with_measure_off_keeps_the_callers_peak_of_a_larger_first_update(random_qwen3_path):
+    """Two updates inside one metered step, the first the larger (P=64, responses of 9, 16, 24 tokens, exact) and
+    the second tiny (P=3, one token). A measuring update starts its own peak meter, which resets the device's
+    process-wide peak, so the step's meter kept only the second update's peak (the learner's peak_memory_mb was
+    the last group's). With measure=False the step keeps the first update's peak, and the update reports no
+    timings and no peak, since it took none."""
+    model = lora_model(random_qwen3_path)
+    big = _inputs(model.config.vocab_size, lengths=(9, 16, 24), prompt_len=64)
+    small = _inputs(model.config.vocab_size, lengths=(1,), prompt_len=3)
+
+    def update(inputs, measure: bool) -> UpdateMetrics:
+        spec = UpdateSpec(mode="exact", chunk_size=7, need_ref=True, measure=measure)
+        return grpo_update(model, *inputs, _objective, spec)
+
+    update(big, False)
+    _lora_grads(model)
+    with TensorPeak() as alone:
+        update(big, False)
+    _lora_grads(model)
+    with TensorPeak() as step:
+        update(big, False)
+        metrics = update(small, False)
+    _lora_grads(model)
+    with TensorPeak() as measured_step:
+        update(big, True)
+        update(small, True)
+    _lora_grads(model)
+    # Measured: 504 KB for the big update, 156 KB for the measured step (the big one's gradients plus the small
+    # update). The 64 KiB slack, for bookkeeping that may differ between runs, is far below that gap.
+    slack = 64 * 1024
+    assert abs(step.nbytes - alone.nbytes) <= slack, (step.nbytes, alone.nbytes)
+    assert measured_step.nbytes < alone.nbytes / 2, (measured_step.nbytes, alone.nbytes)
+    assert metrics.peak_memory_bytes is None and metrics.capture_s is None and metrics.replay_s is None
+    assert metrics.ref_s is None and metrics.prompt_backward_s is None
+
+
+def test_phase_clock_that_is_off_never_synchronizes_cuda(monkeypatch):
+    """grpo_update timed its phases with a torch.cuda.synchronize at each boundary (8 per group with a reference,
+    2 more for its peak meter) for metrics the learner then threw away. Its clock with measure=False must not
+    synchronize at all; on, it synchronizes once per reading. CUDA-only code, reached on CPU through a counting
+    stand-in for torch.cuda.synchronize (nothing else of CUDA runs)."""
+    from longstraw.engine import _Clock
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    off = _Clock(torch.device("cuda", 0), on=False)
+    assert off.since(off.now()) is None and calls == []
+    on = _Clock(torch.device("cuda", 0), on=True)
+    assert on.since(on.now()) >= 0.0 and len(calls) == 2

@@ -20,6 +20,7 @@ The loss of a step is a sum over tokens of weight x per-token objective, with we
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from longstraw.adapters import adapter_for
 from longstraw.context_parallel import cp_adapter_for
 from longstraw.engine import PrefixCapture, UpdateSpec, capture_prefix, grpo_update
 from longstraw.expert_parallel import Lockstep, LockstepAdapter, pad_responses
+from longstraw.memory import reset_peak
 from longstraw.routing import ExpertLayout, GroupRoutes, RouteReplay
 from longstraw.scoring import token_logprobs
 from longstraw.trust import TrustCounts, icepop_status, out_of_route, trust_mask
@@ -124,6 +126,18 @@ class StepContext:
     # Context parallel: this rank's CP group (None without CP) and its size C (mint.train.context_parallel).
     cp_group: Any = None
     context_parallel: int = 1
+    _metered_plan: Any = field(default=None, repr=False)  # weakref to the StepPlan whose peak is being metered
+
+    def start_step(self, plan: StepPlan) -> None:
+        """Reset the device's peak once per learner step (one StepPlan), at its first micro-step; later calls for the
+        same plan (more micro-steps, more epochs) do nothing. The learner reads the peak once after the optimizer
+        step (`peak_memory_mb`: max_memory_allocated on CUDA, ru_maxrss on CPU, both reset here), so it covers
+        every group of the step. Nothing inside a group may reset it (a reset per group leaves only the last
+        group's peak), which is why LongStraw's update runs with measure=False."""
+        if self._metered_plan is not None and self._metered_plan() is plan:
+            return
+        self._metered_plan = weakref.ref(plan)
+        reset_peak(self.device)
 
     def backward(self, loss: torch.Tensor, boundary: bool, carries_scale: bool = False) -> None:
         """DeepSpeed's backward, with the accumulation boundary set first (gradients reduce on the boundary).
@@ -175,6 +189,22 @@ def _statuses(group: GroupBatch, routes: GroupRoutes | None) -> list[torch.Tenso
     return routes.status_G if routes is not None else [torch.zeros(n, dtype=torch.long) for n in group.lengths]
 
 
+def _kept_only(kept_R: torch.Tensor, logp_R, behaviour_R, ref_R):
+    """(logp, behaviour, ref) for `per_token_objective`, fp32, with every masked token's logprobs selected to 0.
+
+    kept_R: bool [R]; logp_R [R] (autograd), behaviour_R [R], ref_R [R] or None.
+    A masked token then has log-ratio 0 and KL 0 exactly, and torch.where's backward gives its logp a gradient of
+    exactly 0. Multiplying its term by 0 afterwards is not enough: with the rollout's logprob at -100 (or -inf) and
+    the learner's at -2, exp(98) = 3.6e42 overflows fp32 (max 3.4e38) to inf, so the loss is inf x 0 = nan when
+    A < 0, and for either sign exp's backward multiplies the 0 that reaches it by that inf (nan in every LoRA grad).
+    """
+    zero = torch.zeros((), dtype=torch.float32, device=logp_R.device)
+    logp_R = torch.where(kept_R, logp_R.float(), zero)
+    behaviour_R = torch.where(kept_R, behaviour_R.detach().float(), zero)
+    ref_R = torch.where(kept_R, ref_R.detach().float(), zero) if ref_R is not None else None
+    return logp_R, behaviour_R, ref_R
+
+
 class GroupObjective:
     """The per-response objective of one group, shared by both inner steps: trust mask (R3 x IcePop), PPO-clip
     with KL, the global aggregation weight; and the group's stats."""
@@ -205,9 +235,11 @@ class GroupObjective:
         # Off-policy (rollout.max_staleness > 0): the samples came from an older revision, so the PPO ratio is taken
         # against the rollout's logprobs (the behaviour policy); on-policy the learner's own first pass is used.
         behaviour_R = rollout_R if self.ctx.config.rollout.max_staleness else old_R
-        loss_R, st = per_token_objective(logp_R, behaviour_R, adv_R, self.ctx.spec, ref_logp_T=ref_R)
-        contribution = self.weights_G[i].to(device) * (loss_R * mask_R).sum()
         kept = mask_R.bool()
+        logp_R, behaviour_R, ref_R = _kept_only(kept, logp_R, behaviour_R, ref_R)
+        loss_R, st = per_token_objective(logp_R, behaviour_R, adv_R, self.ctx.spec, ref_logp_T=ref_R)
+        # A masked token's term is now finite (ratio 1: -A) but not 0; selecting drops it and its gradient.
+        contribution = self.weights_G[i].to(device) * torch.where(kept, loss_R, 0.0).sum()
         self.sums["loss"] += float(contribution.detach())
         self.sums["kl"] += float(st["kl_T"][kept].sum())
         self.sums["clipped"] += float(st["clipped_T"][kept].float().sum())
@@ -260,6 +292,7 @@ def _score_padded(
 
 def naive_group_step(ctx: StepContext, micro: MicroStep, plan: StepPlan, old: list[torch.Tensor] | None, last: bool):
     """One padded full-sequence forward for the group's G responses, then one backward. Returns (stats, logp)."""
+    ctx.start_step(plan)
     group = micro.group
     routes = ctx.group_routes(group)
     logp, native = _score_padded(ctx, group, with_grad=True, routes=routes)
@@ -282,6 +315,7 @@ def longstraw_group_step(
     ctx: StepContext, micro: MicroStep, plan: StepPlan, old: list[torch.Tensor] | None, last: bool
 ):
     """LongStraw: capture the prompt once, replay each response with autograd and backward it, one at a time."""
+    ctx.start_step(plan)
     group = micro.group
     routes = ctx.group_routes(group)
     # With R3 off every ok is False: the routers run natively, and the replay still measures out-of-route.
@@ -326,6 +360,9 @@ def longstraw_group_step(
         checkpoint_min_tokens=ls.checkpoint_min_tokens,
         vocab_limit=ctx.vocab_limit,
         kernels=ls.kernels,
+        # The update's own metrics are not read here. Measuring them cost 8 to 10 CUDA synchronizes per group (two
+        # per timed phase, two for its peak meter) and reset the device peak the learner meters over the whole step.
+        measure=False,
     )
     model = ctx.engine.module
     capture = None
