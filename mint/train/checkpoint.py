@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mint.config import RESULT_NEUTRAL
 from mint.errors import ConfigError, MintError
 
 STATE_FILE = "state.json"
@@ -105,11 +106,19 @@ def read(checkpoint: Path, result_digest: str | None = None) -> RunState:
     if result_digest is not None and doc.get("result_digest") != result_digest:
         raise ConfigError(
             f"--resume: the recipe differs from the one {checkpoint.name} was written with in keys that change "
-            "the result (only grpo.steps, logging.*, checkpoint.*, mint.save_every/keep_last and ray.address/"
-            "placement may change); start a new run with another logging.name"
+            f"the result (only these may change: {changeable_keys()}); start a new run with another logging.name"
         )
     _restore_driver_rng(doc["driver_rng"])
     return state
+
+
+def changeable_keys() -> str:
+    """The keys a resumed run may change, as read's refusal names them: RESULT_NEUTRAL (the keys result_digest
+    leaves out), then the two cases in which result_digest counts one of them after all."""
+    return (
+        ", ".join(RESULT_NEUTRAL) + "; but not grpo.steps under a cosine learner.lr_schedule, nor checkpoint.every "
+        "with rollout.max_staleness >= 1"
+    )
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:

@@ -76,6 +76,9 @@ class Cluster:
     lost: str = ""  # set by the watchdog: which node left, with which actors
     engines: list = field(default_factory=list)  # EngineServer actors (rollout.engines), stopped by close()
     engine_restarts: int = 0  # engine servers restarted after they died (mint.train.engines.revive_engines)
+    # (id, bytes ref) of the revision the rollout actors were last handed (submit_loads, finish_sync): what a
+    # restarted actor is loaded with before an eval pass is redone on it (mint.train.evaluation).
+    revision: tuple[str, object] | None = None
     context_parallel: int = 1  # longstraw.context_parallel, learner.expert_parallel: how plans map to ranks
     expert_parallel: int = 1
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -284,6 +287,7 @@ def finish_sync(cluster: Cluster, futures: list, data_ref, count_restarts: bool 
         raise MintError(f"weight sync: rollout actors hashed the learner's bytes to {len(set(ids))} different ids")
     if not ids:
         raise MintError("weight sync: every rollout actor died during the sync")
+    cluster.revision = (ids[0], data_ref)
     for i in dead:
         _reload(cluster, i, ids[0], data_ref)
     if count_restarts:
@@ -334,6 +338,7 @@ def submit_loads(cluster: Cluster, rev_id: str, data_ref) -> list:
     concurrency 1), so a rollout queued before this load samples with the old adapter and one queued after it with
     the new one: a load never lands in the middle of a step's rollout.
     """
+    cluster.revision = (rev_id, data_ref)
     return [actor.load_adapter.remote(rev_id, data_ref) for actor in cluster.rollouts]
 
 
@@ -347,22 +352,33 @@ class RolloutCall:
     data_ref: object  # the revision's bytes in the object store, to load it again into a restarted actor
     futures: dict[int, object]  # actor index -> its rollout call
     pids: dict[int, object]  # actor index -> pid() queued right behind the rollout call
+    evaluate: tuple[int, float] | None = None  # (samples, temperature): an eval pass (RolloutActor.evaluate)
 
 
-def submit_rollout(cluster: Cluster, examples: list, seed: int, rev_id: str, data_ref) -> RolloutCall:
+def submit_rollout(
+    cluster: Cluster, examples: list, seed: int, rev_id: str, data_ref, evaluate: tuple[int, float] | None = None
+) -> RolloutCall:
     """Spread the step's prompts over the rollout actors (each group stays on one actor: shared prefix) and queue the
-    calls without waiting. Shard i samples with seed `seed * 1000 + i`, whenever it runs."""
+    calls without waiting. Shard i samples with seed `seed * 1000 + i`, whenever it runs. With `evaluate` =
+    (samples, temperature) the calls are an eval pass instead, shard i seeded `seed + i`; collect_rollout recovers
+    both alike."""
     n = len(cluster.rollouts)
     shards = [examples[i::n] for i in range(n)]
-    call = RolloutCall(shards, seed, rev_id, data_ref, {}, {})
+    call = RolloutCall(shards, seed, rev_id, data_ref, {}, {}, evaluate)
     call.futures = {i: _shard_call(cluster, call, i) for i in range(n) if shards[i]}
     # The actor's pid, asked right behind the rollout: a restart shows as a new pid without waiting on the calls
-    # queued after this one (a blocking pid() would wait for the next steps' rollouts too).
-    call.pids = {i: cluster.rollouts[i].pid.remote() for i in call.futures}
+    # queued after this one (a blocking pid() would wait for the next steps' rollouts too). Not behind an eval pass:
+    # with rollouts queued ahead of it (max_staleness >= 1) its pid would be read before theirs, out of order, and
+    # count one restart several times; the next rollout's pid shows the restart.
+    if evaluate is None:
+        call.pids = {i: cluster.rollouts[i].pid.remote() for i in call.futures}
     return call
 
 
 def _shard_call(cluster: Cluster, call: RolloutCall, i: int):
+    if call.evaluate is not None:
+        samples, temperature = call.evaluate
+        return cluster.rollouts[i].evaluate.remote(call.shards[i], samples, temperature, call.seed + i, call.rev_id)
     return cluster.rollouts[i].rollout.remote(call.shards[i], call.seed * 1000 + i, call.rev_id)
 
 

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import math
 
-import ray
-
 from mint.config import Config
 from mint.rl.data import load_dataset
 from mint.rl.grpo import group_advantages_batch
-from mint.train.cluster import Cluster
+from mint.train.cluster import Cluster, collect_rollout, submit_rollout
 
 EVAL_SEED = 7_000_003  # far from grpo.seed + step, the training draws
 
@@ -38,18 +36,19 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def evaluate(cluster: Cluster, examples: list, config: Config, step: int, rev_id: str) -> dict[str, float]:
-    """eval_reward_mean, eval_pass@1 (and eval_pass@n) over the held-out prompts at revision `rev_id`."""
+    """eval_reward_mean, eval_pass@1 (and eval_pass@n) over the held-out prompts at revision `rev_id`.
+
+    Recovered as a training rollout is (collect_rollout): a shard whose actor died, or was restarted by Ray and so
+    refuses with StaleRevision, is redone with the same seed once the actor holds `rev_id` again; a shard lost to an
+    engine server the run started is redone once the server is back."""
     if not examples:
         return {}
     e = config.eval
-    n_actors = len(cluster.rollouts)
-    shards = [examples[i::n_actors] for i in range(n_actors)]
-    futures = [
-        actor.evaluate.remote(shard, e.samples, e.temperature, EVAL_SEED + step * 1000 + i, rev_id)
-        for i, (actor, shard) in enumerate(zip(cluster.rollouts, shards, strict=True))
-        if shard
-    ]
-    rewards = [r for shard in ray.get(futures) for r in shard]
+    # rev_id is the revision the actors were last handed (eval runs right after a publish or a restore), so its
+    # bytes, to load into a restarted actor, are the cluster's.
+    data_ref = cluster.revision[1] if cluster.revision and cluster.revision[0] == rev_id else None
+    call = submit_rollout(cluster, examples, EVAL_SEED + step * 1000, rev_id, data_ref, (e.samples, e.temperature))
+    rewards = collect_rollout(cluster, call)  # one list of n rewards per prompt
     n = e.samples
     passes = [sum(value >= e.pass_threshold for value in r) for r in rewards]
     out = {

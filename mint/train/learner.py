@@ -54,8 +54,9 @@ def _deepspeed_config(config: Config) -> dict:
 
 
 def lr_factor(config: Config):
-    """The learning-rate multiplier before optimizer step s + 1 (s = 0, 1, ...): linear warmup over
-    learner.warmup_steps, then constant or a cosine down to min_lr_ratio at grpo.steps."""
+    """The learning-rate multiplier of GRPO step s + 1 (s = 0, 1, ...), for every epoch of it: linear warmup over
+    learner.warmup_steps, then constant or a cosine down to min_lr_ratio at grpo.steps. A function of the step alone:
+    a skipped step (non-finite gradient) does not shift the steps after it."""
     warmup, steps, floor = config.learner.warmup_steps, config.grpo.steps, config.learner.min_lr_ratio
     cosine = config.learner.lr_schedule == "cosine"
 
@@ -148,10 +149,10 @@ class LearnerActor:
             load = load_full_lora_state if self.ep_group is not None else load_lora_state
             load(model, from_bytes(init_lora))
         optimizer = torch.optim.AdamW(param_groups, lr=config.learner.lr, weight_decay=config.learner.weight_decay)
-        schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(config))  # bound to DeepSpeed's
-        self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=schedule, config=_deepspeed_config(config)
-        )
+        # No DeepSpeed lr scheduler: it advances once per engine.step() that applies, so once per epoch and not on a
+        # skipped step, and the schedule would drift off grpo.steps. `step` sets each step's rate (_set_lr).
+        self.lr_factor = lr_factor(config)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=_deepspeed_config(config))
         self._deepspeed = deepspeed
         from mint.models.specs import tokenizer_size, usable_vocab
 
@@ -225,7 +226,7 @@ class LearnerActor:
         old_logprobs: dict[int, list[torch.Tensor]] = {}
         n_micro = len(plan.micro_steps)
         inner_step = INNER_STEPS[self.config.learner.engine]
-        sums["lr"] = float(self.engine.get_lr()[0])  # the rate this step's update uses
+        sums["lr"] = self._set_lr(plan.step)  # the rate every epoch of this step uses
         for epoch in range(self.config.learner.epochs):
             for i, micro in enumerate(plan.micro_steps):
                 stats, logp = inner_step(self.ctx, micro, plan, old_logprobs.get(i), last=i == n_micro - 1)
@@ -249,6 +250,17 @@ class LearnerActor:
         sums["trust"] = trust
         sums["seconds"] = time.perf_counter() - t0
         return sums
+
+    def _set_lr(self, step: int) -> float:
+        """Set GRPO step `step`'s rate (1-based; 0, a plan without a step, counts as step 1) on every parameter
+        group, the expert LoRA's included, and return it as the optimizer holds it.
+
+        Set afresh at every step, so a restored optimizer state (whose groups carry the rate of the step it was
+        saved at) and a skipped step change nothing."""
+        lr = self.config.learner.lr * self.lr_factor(max(step, 1) - 1)
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        return float(self.engine.get_lr()[0])
 
     def _step_unless_non_finite(self, sums: dict) -> None:
         """engine.step(), unless the step's gradient is not finite on some rank; records grad_norm and `skipped`.
@@ -313,7 +325,7 @@ class LearnerActor:
             tag="state",
             load_module_strict=False,
             load_optimizer_states=True,
-            load_lr_scheduler_states=True,
+            load_lr_scheduler_states=False,  # no scheduler: each step sets its own rate (_set_lr)
         )
         if path is None:
             raise MintError(f"checkpoint {directory}: DeepSpeed found no state to load")
