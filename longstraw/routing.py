@@ -22,6 +22,7 @@ on the first hooked forward instead of recording garbage; so does replay on a bi
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -273,6 +274,29 @@ class ExpertLayout:
     num_layers: int  # MoE layers, in model order
     num_experts: int
     top_k: int
+    # Where the MoE layers sit among all decoder layers. vLLM and SGLang return one route row per decoder layer,
+    # dense ones included (zeros there), so reading their routes needs both; None: every decoder layer is MoE.
+    layer_ids: tuple[int, ...] | None = None  # decoder-layer index of each MoE layer; None: range(num_layers)
+    num_decoder_layers: int | None = None  # all decoder layers; None: num_layers
+
+    def __post_init__(self):
+        ids, total = self.moe_layer_ids, self.decoder_layers
+        increasing = all(a < b for a, b in itertools.pairwise(ids))
+        if len(ids) != self.num_layers or not increasing or any(i < 0 or i >= total for i in ids):
+            raise LongStrawError(
+                f"ExpertLayout: layer_ids {ids} are not {self.num_layers} increasing decoder-layer indices "
+                f"below {total}"
+            )
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """The decoder-layer index of each MoE layer, in model order."""
+        return tuple(self.layer_ids) if self.layer_ids is not None else tuple(range(self.num_layers))
+
+    @property
+    def decoder_layers(self) -> int:
+        """All decoder layers, dense ones included: the L of an engine's routes (vLLM, SGLang)."""
+        return self.num_decoder_layers if self.num_decoder_layers is not None else self.num_layers
 
     @property
     def route_dtype(self) -> torch.dtype:

@@ -72,9 +72,9 @@ def test_bad_overrides_name_the_key(override, expected):
     [
         (["learner.engine=longstraw", "learner.zero_stage=3"], "learner.engine: longstraw runs the model piecewise"),
         (["model.dtype=float16"], "model.dtype: float16 needs a GPU learner"),
-        # Issue 9: ZeRO-2 reduces inside every backward; LongStraw's backward count differs across ranks.
+        # ZeRO-2 reduces inside every backward; LongStraw's backward count differs across ranks.
         (["learner.engine=longstraw", "learner.zero_stage=2", "learner.num_ranks=2"], "learner.zero_stage: 2 reduces"),
-        # Issue 9: DeepSpeed's stage-0 fp16 optimizer never scales the loss in engine.backward.
+        # DeepSpeed's stage-0 fp16 optimizer never scales the loss in engine.backward.
         (
             ["model.dtype=float16", "ray.learner_gpus=1", "learner.zero_stage=0"],
             "model.dtype: float16 needs learner.zero_stage >= 1",
@@ -149,7 +149,7 @@ def test_configuration_doc_in_sync():
         assert f"`{key}`" in doc
 
 
-# Issue 10: a drill found learner.lr=nan, lr=inf and rollout.temperature=nan accepted (NaN is neither < nor > any
+# A drill found learner.lr=nan, lr=inf and rollout.temperature=nan accepted (NaN is neither < nor > any
 # bound), recipes that are a directory or a binary file failing with a traceback, an empty recipe running on all
 # defaults, and an empty logging.name moving the whole runs/ folder aside.
 
@@ -234,7 +234,7 @@ def test_logging_root_must_not_be_empty(root):
 
 
 def test_a_recipe_builds_on_another_key_by_key(tmp_path):
-    """Issue 14: `base = "other.toml"` loads the other recipe first (recursively, relative to the recipe's folder);
+    """`base = "other.toml"` loads the other recipe first (recursively, relative to the recipe's folder);
     the recipe's keys override it one by one, sections it does not name are inherited whole, overrides come last."""
     (tmp_path / "sub").mkdir()
     (tmp_path / "root.toml").write_text("[grpo]\nsteps = 7\nseed = 3\n[rollout]\ngroup_size = 4\n")

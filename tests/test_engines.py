@@ -1,4 +1,4 @@
-"""Issue 13: engine servers started under Ray (`rollout.engines = N`, mint.train.engines).
+"""Engine servers started under Ray (`rollout.engines = N`, mint.train.engines).
 
 - A training run with rollout.backend = vllm and one engine: `mint serve` (our vLLM stand-in) launched by an
   EngineServer actor from rollout.engine_command, fronted by the rollout actor, learns the smoke task, and no server
@@ -11,12 +11,16 @@
 - RolloutActor.reinstall, both HTTP backends: an engine that lost its adapters (as a restarted one has) refuses the
   actor's requests until the actor loads its current revision on that engine alone; then it samples that revision.
 - The config refuses engines with rollout.urls, with the builtin backend, and more actors than engines.
+- The launch lines (`launch_argv`, no Ray): `vllm serve`, SGLang's --tp-size, the base's --dtype, LoRA modules as
+  separate words, routed experts asked for only on an MoE base, lora.rank rounded up to a --max-lora-rank vLLM
+  accepts, and rollout.engine_path first on the server's PATH.
 """
 
 import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import urllib.request
@@ -33,7 +37,7 @@ from mint.hub.catalog import Catalog
 from mint.rollout.backends import EngineError
 from mint.train import engines
 from mint.train.driver import train
-from mint.train.engines import EngineServer
+from mint.train.engines import EngineServer, launch_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -195,8 +199,97 @@ def test_the_config_checks_engines():
         build_config({"rollout": {"backend": "sglang", "engines": 1, "num_actors": 2}})
     with pytest.raises(ConfigError, match=r"rollout\.engine_command: bad placeholder \('gpus'\)"):
         build_config({"rollout": {"backend": "vllm", "engines": 1, "engine_command": "serve --tp {gpus}"}})
+    line = "serve {model} --dtype {dtype} {routed_experts} --lora-target-modules {lora_modules}"
+    assert _engine_config(line).rollout.engine_command == line
     config = build_config({"rollout": {"backend": "sglang", "engines": 2, "num_actors": 2, "engine_tp": 2}})
     assert config.rollout.engines == 2 and config.rollout.urls == []
+
+
+MODEL = "/models/base"
+VALUES = {"model": MODEL, "host": "10.0.0.7", "port": 8123}
+ROUTED = "--enable-return-routed-experts"
+
+
+def _argv(backend: str, values: dict = VALUES, rollout: dict | None = None, **sections) -> list[str]:
+    """launch_argv of one engine with the backend's default line (rollout.engines = 1)."""
+    tree = {"rollout": {"backend": backend, "engines": 1, **(rollout or {})}, **sections}
+    return launch_argv(build_config(tree), values)
+
+
+def _after(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_default_vllm_line_is_vllm_serve_with_the_bases_dtype():
+    """The default line was `python -m vllm.entrypoints.openai.api_server` (deprecated) and had no --dtype, so vLLM
+    on CPU served an fp32 checkpoint in bf16. It is now `vllm serve {model}` with model.dtype."""
+    argv = _argv("vllm", model={"dtype": "bfloat16"})
+    assert argv[:3] == ["vllm", "serve", MODEL] and _after(argv, "--dtype") == "bfloat16"
+    assert _after(argv, "--host") == "10.0.0.7" and _after(argv, "--port") == "8123"
+    assert _after(argv, "--tensor-parallel-size") == "1" and "--enable-lora" in argv
+    assert _after(argv, "--logprobs-mode") == "processed_logprobs" and "--model" not in argv
+
+
+def test_default_sglang_line_passes_tp_size_and_each_lora_module_as_its_own_word():
+    """SGLang's flag is --tp-size (the line said --tp), and --lora-target-modules takes one word per module: the line
+    filled {lora_modules} as the single word "q_proj v_proj ...", which SGLang's choices refuse."""
+    argv = _argv("sglang", rollout={"engine_tp": 2}, lora={"target_modules": ["q_proj", "v_proj"]})
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"] and _after(argv, "--model-path") == MODEL
+    assert _after(argv, "--tp-size") == "2" and "--tp" not in argv and _after(argv, "--dtype") == "float32"
+    start = argv.index("--lora-target-modules") + 1
+    assert argv[start : start + 6] == ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj", ROUTED]
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_routed_experts_are_asked_for_on_an_moe_base_only(backend):
+    """vLLM refuses --enable-return-routed-experts on a dense model at start ("No supported MoE router found for
+    routed-experts capture"); the default lines passed it for every base. A dense base now leaves no empty word."""
+    assert ROUTED in _argv(backend, {**VALUES, "moe": True}) and ROUTED in _argv(backend)
+    dense = _argv(backend, {**VALUES, "moe": False})
+    assert ROUTED not in dense and "" not in dense
+
+
+@pytest.mark.parametrize(("rank", "vllm_rank"), [(1, 1), (2, 8), (8, 8), (24, 32), (300, 320), (321, 512), (512, 512)])
+def test_lora_rank_launches_vllm_with_the_next_max_lora_rank_it_accepts(rank, vllm_rank):
+    """vLLM's --max-lora-rank takes only 1, 8, 16, 32, 64, 128, 256, 320 and 512: lora.rank 24 became
+    --max-lora-rank 24 and vLLM refused to start. SGLang takes any rank."""
+    assert _after(_argv("vllm", lora={"rank": rank}), "--max-lora-rank") == str(vllm_rank)
+    assert _after(_argv("sglang", lora={"rank": rank}), "--max-lora-rank") == str(rank)
+
+
+def test_a_launch_value_vllm_or_sglang_refuses_is_one_config_error_line():
+    with pytest.raises(ConfigError, match=r"^lora\.rank: 640 is above 512, the largest --max-lora-rank vLLM"):
+        _argv("vllm", lora={"rank": 640})
+    with pytest.raises(ConfigError) as err:
+        _argv("sglang", lora={"target_modules": ["q_proj", "c_attn"]})
+    message = str(err.value)
+    assert message.startswith("lora.target_modules: SGLang's --lora-target-modules does not take 'c_attn'"), message
+    assert "q_proj, k_proj, v_proj, o_proj" in message and "\n" not in message
+    # A line that passes neither value (here `mint serve`) is not refused.
+    line = "{python} -m mint.cli serve --base {model} --port {port}"
+    tree = {"rollout": {"backend": "vllm", "engines": 1, "engine_command": line}, "lora": {"rank": 640}}
+    assert launch_argv(build_config(tree), VALUES)[-4:] == ["--base", MODEL, "--port", "8123"]
+
+
+def test_engine_path_finds_a_server_installed_in_a_virtualenv_of_its_own(tmp_path):
+    """rollout.engine_path goes first on the server's PATH, so a line naming a bare program (`vllm serve`) finds one
+    installed in its own virtualenv; without it the launch fails with one line that names the knob."""
+    bin_dir = tmp_path / ".engines/fake/bin"
+    bin_dir.mkdir(parents=True)
+    program = bin_dir / "fake-engine"
+    program.write_text(f"#!{sys.executable}{HEALTH_SERVER}")
+    program.chmod(0o755)
+    log = str(tmp_path / "engines/engine_0.log")
+    config = _engine_config("fake-engine {host} {port}", engine_path=str(bin_dir))
+    server = EngineServer(0, config, {"model": "unused"}, log, {}, 0, 30.0)
+    try:
+        assert server.wait_healthy(30) == server.url and server.env["PATH"].split(os.pathsep)[0] == str(bin_dir)
+    finally:
+        server.stop()
+    missing = EngineServer(0, _engine_config("fake-engine {host} {port}"), {"model": "unused"}, log, {}, 0, 30.0)
+    with pytest.raises(MintError, match=r"could not start 'fake-engine': .*\(rollout\.engine_path\)$"):
+        missing.wait_healthy(5)
+    missing.stop()
 
 
 HEALTH_SERVER = """
@@ -216,12 +309,17 @@ http.server.HTTPServer((sys.argv[1], int(sys.argv[2])), Health).serve_forever()
 """
 
 
+def _engine_config(command: str, **rollout):
+    return build_config({"rollout": {"backend": "vllm", "engines": 1, "engine_command": command, **rollout}})
+
+
 def _health_engine(tmp_path: Path, max_restarts: int) -> EngineServer:
     """An EngineServer (in this process) whose server answers 200 on every path: restart's mechanics, no model."""
     script = tmp_path / "health.py"
     script.write_text(HEALTH_SERVER)
     log = tmp_path / "engines/engine_0.log"
-    return EngineServer(0, f"{{python}} {script} {{host}} {{port}}", {}, str(log), {}, max_restarts, 30.0)
+    config = _engine_config(f"{{python}} {script} {{host}} {{port}}")
+    return EngineServer(0, config, {"model": "unused"}, str(log), {}, max_restarts, 30.0)
 
 
 def _kill(server: EngineServer) -> None:
@@ -300,6 +398,6 @@ def test_reinstall_loads_the_current_revision_on_one_engine_that_lost_it(world, 
         assert actor.reinstall("http://127.0.0.1:1") is False  # an engine this actor does not front
         assert actor.reinstall(url + "/") is True
         got = actor.backend.generate(backends.PROMPTS, backends.G, backends.PARAMS, seed=3)
-        backends._assert_sampled_by_revision(world, world["a"], got, seed=3)
+        backends._assert_sampled_by_revision(world, world["a"], got, seed=3, kind=kind)
     finally:
         actor.backend.close()

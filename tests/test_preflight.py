@@ -1,6 +1,6 @@
-"""Preflight (issue 10, "Runs that survive"): a recipe whose inputs are wrong fails before anything starts.
+"""Preflight: a recipe whose inputs are wrong fails before anything starts.
 
-A drill on the pre-issue-10 code: of 43 bad recipes, nine started Ray before failing (20-25 s, tracebacks of 35-54
+A drill on the code before preflight: of 43 bad recipes, nine started Ray before failing (20-25 s, tracebacks of 35-54
 lines), 13 moved the user's previous run aside first, and a 1031-token prompt on a 256-position model trained with
 exit 0. Each case here runs twice: `preflight(load_config(...))` in this process, and the real `mint train` as a
 user runs it, which must exit 2 with one stderr line, quickly, leaving the previous run directory as it was.
@@ -111,6 +111,19 @@ CASES = [
         "data.source",
         "record 1 (0-based) is 1015 tokens with the chat template, over the 248 that fit the model's 256 positions",
         needs_tokenizer=True,
+    ),
+    # The run starts the engines minutes later (Ray, the learner, the model load); the engine then refused at start.
+    Case(
+        "vllm_engines_with_lora_rank_above_512",
+        ("rollout.backend=vllm", "rollout.engines=1", "lora.rank=640"),
+        "lora.rank",
+        "640 is above 512, the largest --max-lora-rank vLLM accepts",
+    ),
+    Case(
+        "sglang_engines_with_a_lora_module_sglang_does_not_take",
+        ("rollout.backend=sglang", "rollout.engines=1", "lora.target_modules=['q_proj', 'c_attn']"),
+        "lora.target_modules",
+        "SGLang's --lora-target-modules does not take 'c_attn'",
     ),
     Case("recipe_is_binary", (), "", "not UTF-8 text", "config", "binary"),
     Case("recipe_is_a_directory", (), "", "cannot read the recipe", "config", "directory"),

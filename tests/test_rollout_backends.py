@@ -1,15 +1,18 @@
-"""Issue 13: rollout backends against real servers over real HTTP.
+"""Rollout backends against real servers over real HTTP.
 
 - `rollout.backend = vllm` against a real `mint serve` process (our vLLM stand-in, started as vLLM is: with
   --enable-return-routed-experts): the tokens, logprobs and routes equal the built-in engine's for the same seed and
   revision, the routes line up with the positions the learner feeds, and load_inplace swaps the adapter.
 - `rollout.backend = sglang` against a small real HTTP server in this file that answers SGLang's /generate with the
-  documented fields only (docs/rollout.md names the SGLang PRs they come from), sampling with the built-in engine.
+  documented fields only (docs/rollout.md names the SGLang PRs they come from), sampling each input with the built-in
+  engine and its own sampling_seed, as SGLang's deterministic sampler does (one params dict is copied to every input).
+- Routes as vLLM and SGLang send them, one row per decoder layer (dense layers' rows zero): on a GLM-4.5 class base
+  (layer 0 dense) both backends keep the MoE layers' rows, and `mint serve` sends them in that form too.
 - The rollout actor's weight sync (bytes -> hash once -> adapter directory on its node -> the engine's load call)
   through both, and one clear line for an engine that is down. With expert LoRA the actor writes the per-expert
-  layout vLLM and SGLang load (rollout.adapter_layout = auto), `mint serve` fuses it back and samples exactly what the
-  built-in engine samples, `adapter_layout = peft` still writes the trained layout, and altered per-expert tensors
-  are refused with one line.
+  layout vLLM and SGLang load (rollout.adapter_layout = auto; GLM-4.5 too), `mint serve` fuses it back and samples
+  exactly what the built-in engine samples, a layout vLLM cannot read stops the actor with one line, and altered
+  per-expert tensors are refused with one line.
 - A training run (real Ray, DeepSpeed on gloo, 1 learner rank) with rollout.backend = vllm pointed at `mint serve`
   learns the smoke task, with every token's route replayed and the served logprobs equal to the learner's.
 """
@@ -17,6 +20,7 @@
 import base64
 import io
 import json
+import pickle
 import re
 import shutil
 import socket
@@ -34,7 +38,8 @@ from fastapi.responses import JSONResponse
 from safetensors.torch import load_file, save_file
 from test_serve import ROOT, _learner, _publish, start_server, stop_server
 
-from longstraw.routing import RouteRecorder
+from longstraw.errors import LongStrawError
+from longstraw.routing import ExpertLayout, RouteRecorder, route_status
 from mint.config import load_config
 from mint.config.load import build_config
 from mint.errors import ConfigError
@@ -43,12 +48,13 @@ from mint.hub.catalog import Catalog
 from mint.hub.revisions import ADAPTER_FILE, CONFIG_FILE, META_FILE
 from mint.models.expert_lora import factor_experts
 from mint.models.lora import load_lora_state
-from mint.models.specs import load_model, moe_layout
+from mint.models.specs import load_model, moe_layers, moe_layout, tiny_config
 from mint.models.tiny import VOCAB_SIZE, build_tokenizer, resolve_model_path
 from mint.rl.tasks import Example
 from mint.rollout import RolloutEngine, SamplingParams
-from mint.rollout.backends import EngineError, SglangBackend, VllmBackend, http_backend
-from mint.rollout.engine import group_seed
+from mint.rollout.backends import EngineError, SglangBackend, VllmBackend, http_backend, split_routes
+from mint.rollout.backends.base import decode_int32, decode_npy
+from mint.rollout.engine import GroupRollout, group_seed
 from mint.train.driver import train
 from mint.train.rollout_actor import RolloutActor
 
@@ -96,12 +102,21 @@ def _same_groups(got, want, atol=1e-5):
         assert torch.equal(c.routes_R_L_K, w.routes_R_L_K)
 
 
-def _assert_sampled_by_revision(world, rid, got, seed: int):
+def _assert_sampled_by_revision(world, rid, got, seed: int, kind: str = "vllm"):
     """Every group of `got` (PROMPTS sampled with `seed`) equals the built-in engine's with revision `rid` sampling
-    that prompt alone with group_seed(seed, i), as the HTTP backends seed group i. Returns the engine."""
+    that prompt alone with group_seed(seed, i), as the HTTP backends seed group i: vllm draws the group's G samples
+    from that seed, sglang each sample j from its own seed group_seed(that seed, j). Returns the engine."""
     engine = _engine(world, rid)
     for i, (prompt, group) in enumerate(zip(PROMPTS, got, strict=True)):
-        _same_groups(group, engine.generate([prompt], G, PARAMS, seed=group_seed(seed, i))[0])
+        seed_i = group_seed(seed, i)
+        if kind == "sglang":
+            samples = [engine.generate([prompt], 1, PARAMS, seed=group_seed(seed_i, j))[0] for j in range(G)]
+            want = GroupRollout(
+                samples[0].prompt_tokens_P, samples[0].prompt_routes_P1_L_K, [s.completions[0] for s in samples]
+            )
+        else:
+            want = engine.generate([prompt], G, PARAMS, seed=seed_i)[0]
+        _same_groups(group, want)
     return engine
 
 
@@ -166,6 +181,105 @@ def test_mint_serve_returns_routes_in_vllms_encoding(world):
     assert refused.status_code == 400 and "whole responses only" in refused.json()["error"]["message"]
 
 
+def test_expert_layout_of_glm_places_its_moe_layers_among_the_decoder_layers_and_pickles():
+    """moe_layout counted GLM-4.5's MoE layers only, so nothing could read routes that have a row per decoder layer.
+    It now records where they sit; a layout built as before means every decoder layer is MoE."""
+    glm = moe_layout(tiny_config("glm4_moe", VOCAB_SIZE))
+    assert (glm.num_layers, glm.layer_ids, glm.num_decoder_layers) == (2, (1, 2), 3)
+    assert pickle.loads(pickle.dumps(glm)) == glm  # it crosses Ray inside the rollout actors' backends
+    plain = ExpertLayout(num_layers=2, num_experts=4, top_k=2)
+    assert (plain.moe_layer_ids, plain.decoder_layers) == ((0, 1), 2)
+    with pytest.raises(LongStrawError, match="layer_ids"):
+        ExpertLayout(num_layers=2, num_experts=4, top_k=2, layer_ids=(2, 1), num_decoder_layers=3)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "qwen3_moe"])  # GLM: 3 decoder layers, layer 0 dense; Qwen: 2 MoE
+def test_routes_with_a_row_per_decoder_layer_keep_the_moe_layers_rows(family):
+    """vLLM and SGLang send one route row per decoder layer, dense layers included (zeros there): on GLM-4.5 (layer 0
+    dense) [S, 3, k] for 2 MoE layers, which split_routes passed on as they came, so the learner counted every token
+    route_layers and R3 gave every response token weight 0. vLLM's .npy, SGLang's flat int32 and the MoE-only form
+    now all give the MoE layers' rows, every token mappable."""
+    config = tiny_config(family, VOCAB_SIZE)
+    layout = moe_layout(config)
+    P, R, k, L = 4, 3, layout.top_k, config.num_hidden_layers
+    g = torch.Generator().manual_seed(0)
+    picks = [torch.randperm(layout.num_experts, generator=g)[:k] for _ in range((P + R - 1) * layout.num_layers)]
+    moe_S_L_K = torch.stack(picks).reshape(P + R - 1, layout.num_layers, k).numpy()
+    npy = io.BytesIO()
+    np.save(npy, _all_layers(moe_S_L_K, config, np.uint8))
+    forms = {
+        "vllm": decode_npy(base64.b64encode(npy.getvalue()).decode()),
+        "sglang": decode_int32(
+            base64.b64encode(_all_layers(moe_S_L_K, config, np.int32).tobytes()).decode(), P + R - 1
+        ),
+        "moe only": moe_S_L_K,
+    }
+    assert forms["vllm"].shape == (P + R - 1, L, k)
+    for form, rows in forms.items():
+        prompt_P1_L_K, routes_R_L_K = split_routes(rows, P, R, layout)
+        assert torch.equal(torch.cat([prompt_P1_L_K, routes_R_L_K]).long(), torch.from_numpy(moe_S_L_K).long()), form
+        assert routes_R_L_K.dtype == torch.uint8 and route_status(routes_R_L_K, R, layout).tolist() == [0] * R, form
+    # A layer count that is neither stays as it came: the learner counts it (route_layers), nothing is guessed.
+    _, odd_R_L_K = split_routes(np.zeros((P + R - 1, L + 1, k), np.uint8), P, R, layout)
+    assert odd_R_L_K.shape[1] == L + 1
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    """A random tiny GLM-4.5 class base (3 decoder layers, layer 0 dense) with the embedded tokenizer, `mint serve
+    --enable-return-routed-experts` over it, and an SGLang-format server over it."""
+    root = tmp_path_factory.mktemp("glm")
+    base = build_random_tiny("glm4_moe", str(root / "base"), vocab_size=VOCAB_SIZE)
+    build_tokenizer().save_pretrained(base)
+    Catalog(root / "catalog").close()
+    proc, url = start_server(base, str(root / "catalog"), root / "server.log", ("--enable-return-routed-experts",))
+    sglang_server = SglangFormatServer(base)
+    yield dict(base=base, url=url, sglang=sglang_server.url)
+    sglang_server.stop()
+    assert stop_server(proc) == 0, (root / "server.log").read_text()[-2000:]
+
+
+def _teacher_forced_routes(model, tokens: list[int]) -> torch.Tensor:
+    """The MoE layers' routes [S, L_moe, k] of one forward over `tokens`, each row's ids sorted."""
+    with torch.no_grad(), RouteRecorder(model) as recorder:
+        model(input_ids=torch.tensor([tokens]))
+        return recorder.pop_batched(1, len(tokens))[0].long().sort(-1).values
+
+
+def test_mint_serve_sends_glm_routes_with_a_zero_row_per_dense_layer_as_vllm_does(glm):
+    """`mint serve` stands in for vLLM, which sends a row per decoder layer (zeros at a dense one); it sent the MoE
+    layers only, so the vllm backend was never tested on the form vLLM sends for GLM."""
+    model = load_model(glm["base"])
+    body = dict(model=glm["base"], prompt=PROMPTS[0], max_tokens=4, n=2, seed=1, return_token_ids=True)
+    out = httpx.post(glm["url"] + "/v1/completions", json=body, timeout=60).json()
+    for choice in out["choices"]:
+        rows_S_L_K = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])), allow_pickle=False)
+        fed = PROMPTS[0] + choice["token_ids"][:-1]
+        assert rows_S_L_K.dtype == np.uint8 and rows_S_L_K.shape == (len(fed), 3, 2)
+        assert not rows_S_L_K[:, 0].any()  # layer 0 is dense
+        assert torch.equal(
+            torch.from_numpy(rows_S_L_K[:, 1:]).long().sort(-1).values, _teacher_forced_routes(model, fed)
+        )
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_glm_rollouts_through_vllm_and_sglang_keep_every_route(glm, kind):
+    """GLM-4.5 class base through both HTTP backends: every response token's route is mappable (route status 0,
+    none route_layers) and equals a teacher-forced forward's over prompt + response[:-1]."""
+    model = load_model(glm["base"])
+    layout = moe_layout(model.config)
+    backend = http_backend(kind, [glm["url"] if kind == "vllm" else glm["sglang"]], layout, timeout=60)
+    try:
+        group = backend.generate(PROMPTS[:1], G, PARAMS, seed=3)[0]
+    finally:
+        backend.close()
+    for c in group.completions:
+        assert route_status(c.routes_R_L_K, len(c.tokens_R), layout).tolist() == [0] * len(c.tokens_R)
+        fed = PROMPTS[0] + c.tokens_R.tolist()[:-1]
+        rows_S_L_K = torch.cat([group.prompt_routes_P1_L_K, c.routes_R_L_K]).long().sort(-1).values
+        assert torch.equal(rows_S_L_K, _teacher_forced_routes(model, fed))
+
+
 def test_an_engine_that_is_down_is_one_clear_line(world):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -187,14 +301,18 @@ class SglangFormatServer:
     """A real HTTP server (uvicorn in a thread) answering SGLang's native API with its documented fields only:
 
         POST /generate            input_ids (a batch of lists), sampling_params {temperature, top_p,
-                                  max_new_tokens, stop_token_ids, sampling_seed}, return_logprob,
-                                  return_routed_experts, lora_path  ->  [{text, output_ids, meta_info: {id,
-                                  finish_reason {type, matched | length}, prompt_tokens, completion_tokens,
-                                  output_token_logprobs [[logprob, id, null]], routed_experts (base64 int32)}}]
+                                  max_new_tokens, stop_token_ids, sampling_seed} (one per input, or one dict that
+                                  SGLang copies to every input), return_logprob, return_routed_experts, lora_path
+                                  ->  [{text, output_ids, meta_info: {id, finish_reason {type, matched | length},
+                                  prompt_tokens, completion_tokens, output_token_logprobs [[logprob, id, null]],
+                                  routed_experts (base64 int32 [P+R-1, every decoder layer, k], zeros at dense
+                                  layers)}}]
         POST /load_lora_adapter   {lora_name, lora_path}     POST /unload_lora_adapter  {lora_name}
         GET  /health
 
-    The samples come from the built-in engine on the base with the named adapter loaded, so a test can compare.
+    Each input is sampled by the built-in engine on the base with the named adapter loaded, alone, seeded with its
+    own sampling_seed: as SGLang's deterministic sampler (--enable-deterministic-inference) draws it, equal seeds give
+    equal responses. A test can compare with the engine.
     """
 
     def __init__(self, base: str):
@@ -245,19 +363,25 @@ class SglangFormatServer:
         body = await request.json()
         self.calls.append(("generate", body))
         batch, sp = body["input_ids"], body["sampling_params"]
+        per_input = sp if isinstance(sp, list) else [sp] * len(batch)  # SGLang copies one dict to every input
         if any(ids != batch[0] for ids in batch) or body.get("lora_path", "") not in ("", *self.adapters):
             return JSONResponse({"error": "this test server samples one prompt with a loaded adapter"}, 400)
-        params = SamplingParams(
-            temperature=sp["temperature"],
-            top_p=sp["top_p"],
-            max_tokens=sp["max_new_tokens"],
-            stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
-        )
+        if len(per_input) != len(batch):
+            return JSONResponse({"error": "sampling_params: one per input"}, 400)
+        samples = []
         with self.lock:
             load_lora_state(self.model, self.adapters.get(body.get("lora_path"), self.zero))
-            group = self.engine.generate([batch[0]], len(batch), params, seed=sp["sampling_seed"])[0]
+            for p in per_input:
+                params = SamplingParams(
+                    temperature=p["temperature"],
+                    top_p=p["top_p"],
+                    max_tokens=p["max_new_tokens"],
+                    stop_token_ids=tuple(p.get("stop_token_ids") or ()),
+                )
+                samples.append(self.engine.generate([batch[0]], 1, params, seed=p["sampling_seed"])[0])
+        prompt_routes = samples[0].prompt_routes_P1_L_K
         out = []
-        for i, c in enumerate(group.completions):
+        for i, c in enumerate(s.completions[0] for s in samples):
             ids = c.tokens_R.tolist()
             finish = {"type": "stop", "matched": ids[-1]} if c.finish_reason == "stop" else {"type": "length"}
             meta = {
@@ -268,10 +392,19 @@ class SglangFormatServer:
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(c.logprobs_R.tolist(), ids, strict=True)],
             }
             if body.get("return_routed_experts"):
-                rows = torch.cat([group.prompt_routes_P1_L_K, c.routes_R_L_K]).numpy().astype(np.int32)
-                meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode("ascii")
+                moe_S_L_K = torch.cat([prompt_routes, c.routes_R_L_K]).numpy()
+                rows_S_L_K = _all_layers(moe_S_L_K, self.model.config, np.int32)
+                meta["routed_experts"] = base64.b64encode(rows_S_L_K.tobytes()).decode("ascii")
             out.append({"text": self.tokenizer.decode(ids), "output_ids": ids, "meta_info": meta})
         return out
+
+
+def _all_layers(moe_S_L_K: np.ndarray, config, dtype) -> np.ndarray:
+    """Routes of the MoE layers [S, L_moe, k] as vLLM and SGLang hold them for a model of HF config `config`:
+    [S, config.num_hidden_layers, k], zeros at the dense layers (both size their capture buffers by that count)."""
+    rows_S_L_K = np.zeros((moe_S_L_K.shape[0], config.num_hidden_layers, moe_S_L_K.shape[2]), dtype=dtype)
+    rows_S_L_K[:, moe_layers(config)] = moe_S_L_K
+    return rows_S_L_K
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +421,7 @@ def test_sglang_backend_reads_the_documented_format(world, sglang):
     try:
         backend.load_adapter(world["a"], world["dirs"]["a"])
         got = backend.generate(PROMPTS, G, PARAMS, seed=21)
-        _assert_sampled_by_revision(world, world["a"], got, seed=21)
+        _assert_sampled_by_revision(world, world["a"], got, seed=21, kind="sglang")
         # A new revision loads under its own name and the old one is unloaded after the switch.
         backend.load_adapter(world["b"], world["dirs"]["b"])
         backend.generate(PROMPTS[:1], G, PARAMS, seed=21)
@@ -301,6 +434,23 @@ def test_sglang_backend_reads_the_documented_format(world, sglang):
     assert kinds[-1] == ("generate", name_b)
     request = sglang.calls[-1][1]
     assert request["input_ids"] == [PROMPTS[0]] * G and request["return_logprob"] is True
+    assert [p["sampling_seed"] for p in request["sampling_params"]] == [group_seed(21, j) for j in range(G)]
+
+
+def test_sglang_group_of_one_prompt_gets_g_different_responses_under_a_deterministic_seed(sglang):
+    """SGLang copies a single sampling_params dict to every input: G copies of a prompt sent with one sampling_seed
+    came back as G identical responses under its deterministic sampler (GRPO advantage 0; without it the seed was
+    ignored). The backend now sends one dict per sample, sample j seeded with group_seed(the group's seed, j)."""
+    backend = SglangBackend([sglang.url], None, timeout=60)
+    try:
+        group = backend.generate(PROMPTS[:1], G, PARAMS, seed=7)[0]
+    finally:
+        backend.close()
+    responses = {tuple(c.tokens_R.tolist()) for c in group.completions}
+    assert len(responses) == G, responses
+    sent = sglang.calls[-1][1]["sampling_params"]
+    assert [p["sampling_seed"] for p in sent] == [group_seed(7, j) for j in range(G)]
+    assert all({**p, "sampling_seed": 0} == {**sent[0], "sampling_seed": 0} for p in sent)  # only the seeds differ
 
 
 def test_sglang_backend_without_routes_marks_them_missing(world, sglang):
@@ -374,17 +524,16 @@ def _written(directory):
     )
 
 
-@pytest.mark.parametrize("layout", ["auto", "peft"])
-def test_rollout_actor_writes_the_layout_its_engine_loads(world, tmp_path, layout):
+def test_rollout_actor_writes_the_layout_its_engine_loads(world, tmp_path):
     """Expert LoRA on (the world's adapters have it) and backend vllm: auto writes the per-expert layout vLLM loads
     (`experts.{e}.gate_proj/up_proj/down_proj` 2-D LoRA, no fused target_parameters), recording the trained
-    revision's id; peft writes the trained layout. `mint serve` loads either, and samples exactly what the built-in
+    revision's id. `mint serve` loads it too (fused back and hash-checked), and samples exactly what the built-in
     engine samples with that revision."""
     a, b = world["a"], world["b"]
-    adapters = world["root"] / "adapters" / f"actor-layout-{layout}"
-    actor = _http_actor(world, "vllm", world["url"], adapters, tmp_path, adapter_layout=layout)
+    adapters = world["root"] / "adapters" / "actor-layout-auto"
+    actor = _http_actor(world, "vllm", world["url"], adapters, tmp_path)
     try:
-        assert actor.adapter_layout == ("per-expert" if layout == "auto" else "peft")
+        assert actor.adapter_layout == "per-expert"
         data_a, data_b = _revision_bytes(world, a, b)
         assert actor.sync_adapter(data_b)["revision"] == b  # b first, so a is then read from the new directory
         assert actor.sync_adapter(data_a)["revision"] == a
@@ -392,19 +541,14 @@ def test_rollout_actor_writes_the_layout_its_engine_loads(world, tmp_path, layou
         expert_keys = [k for k in tensors if ".mlp.experts." in k]
         base_config = load_model(world["base"]).config
         assert meta["id"] == a
-        if layout == "auto":
-            L, E = base_config.num_hidden_layers, base_config.num_experts
-            assert len(expert_keys) == L * E * 6 and all(PER_EXPERT_KEY.fullmatch(k) for k in expert_keys)
-            assert "base_model.model.model.layers.1.mlp.experts.3.gate_proj.lora_A.weight" in tensors
-            assert config["target_parameters"] is None and {"gate_proj", "up_proj", "down_proj"} <= set(
-                config["target_modules"]
-            )
-            assert meta["format"] == "per-expert" and meta["lora_config"]["target_parameters"]
-            assert revision_id(tensors) != a  # the recorded id is the trained revision's, checked after fusing back
-        else:
-            assert expert_keys and not any(PER_EXPERT_KEY.fullmatch(k) for k in expert_keys)
-            assert config["target_parameters"] and config == actor.adapter_config  # mlp.experts.gate_up_proj, ...
-            assert meta["format"] == "peft" and revision_id(tensors) == a
+        L, E = base_config.num_hidden_layers, base_config.num_experts
+        assert len(expert_keys) == L * E * 6 and all(PER_EXPERT_KEY.fullmatch(k) for k in expert_keys)
+        assert "base_model.model.model.layers.1.mlp.experts.3.gate_proj.lora_A.weight" in tensors
+        assert config["target_parameters"] is None and {"gate_proj", "up_proj", "down_proj"} <= set(
+            config["target_modules"]
+        )
+        assert meta["format"] == "per-expert" and meta["lora_config"]["target_parameters"]
+        assert revision_id(tensors) != a  # the recorded id is the trained revision's, checked after fusing back
         served = httpx.get(world["url"] + "/v1/models").json()["data"]
         assert [(m["id"], m["root"]) for m in served if m["parent"]] == [("mint-policy", a)]
         _assert_sampled_by_revision(world, a, actor.backend.generate(PROMPTS, G, PARAMS, seed=11), seed=11)
@@ -412,17 +556,27 @@ def test_rollout_actor_writes_the_layout_its_engine_loads(world, tmp_path, layou
         actor.backend.close()
 
 
-def test_per_expert_on_a_family_the_split_does_not_know_stops_the_actor(world, tmp_path):
-    """GLM-MoE expert LoRA: auto falls back to the peft layout (its per-expert names are unverified), and an explicit
-    rollout.adapter_layout = per-expert is a one-line ConfigError at actor start."""
+def test_a_layout_vllm_cannot_read_stops_the_actor_in_one_line(world, tmp_path):
+    """rollout.adapter_layout = peft with expert LoRA on a Qwen-MoE base and rollout.backend = vllm: vLLM's per-expert
+    MoE LoRA wrapper refuses PEFT's fused layout at load, so the actor refuses it at start, in one line."""
+    with pytest.raises(ConfigError, match=r"rollout\.adapter_layout: vllm reads qwen3_moe expert LoRA") as err:
+        _http_actor(world, "vllm", world["url"], tmp_path / "adapters", tmp_path, adapter_layout="peft")
+    assert "\n" not in str(err.value)
+
+
+def test_glm_expert_lora_goes_to_the_engines_per_expert(world, tmp_path):
+    """GLM-4.5 expert LoRA: auto writes the per-expert layout, the one vLLM and SGLang read (GLM learned nothing
+    through them when it was written fused: vLLM refused the load, SGLang failed at the first request); an explicit
+    peft is a one-line ConfigError at actor start."""
     glm = build_random_tiny("glm4_moe", str(tmp_path / "glm"), vocab_size=VOCAB_SIZE)
     build_tokenizer().save_pretrained(glm)
     glm_world = {**world, "base": glm}
-    actor = _http_actor(glm_world, "vllm", world["url"], tmp_path / "adapters", tmp_path)
-    assert actor.adapter_layout == "peft" and actor.adapter_config["target_parameters"]
-    actor.backend.close()
-    with pytest.raises(ConfigError, match=r"rollout\.adapter_layout: per-expert knows the Qwen-MoE layout") as err:
-        _http_actor(glm_world, "vllm", world["url"], tmp_path / "adapters", tmp_path, adapter_layout="per-expert")
+    for backend in ("vllm", "sglang"):
+        actor = _http_actor(glm_world, backend, world["url"], tmp_path / "adapters", tmp_path)
+        assert actor.adapter_layout == "per-expert" and actor.adapter_config["target_parameters"]
+        actor.backend.close()
+    with pytest.raises(ConfigError, match=r"rollout\.adapter_layout: vllm reads glm4_moe expert LoRA") as err:
+        _http_actor(glm_world, "vllm", world["url"], tmp_path / "adapters", tmp_path, adapter_layout="peft")
     assert "\n" not in str(err.value)
 
 

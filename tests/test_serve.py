@@ -162,7 +162,7 @@ def test_chat_completions_use_the_chat_template(served):
 
 
 def test_concurrent_requests_match_sequential_ones(served):
-    """Concurrent requests are decoded in shared batches (issue 15); each still gets what it gets alone."""
+    """Concurrent requests are decoded in shared batches; each still gets what it gets alone."""
     url = served["url"]
     for name, ref in (("a", served["a"]), ("b", "best-b")):
         call(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": ref})
@@ -258,7 +258,7 @@ def test_serve_the_revision_a_training_run_published(tmp_path):
 
 
 def test_batched_decode_equals_the_engine_alone(served):
-    """Issue 15's batching, in process: a request decoded alone is `RolloutEngine.generate` bit for bit (tokens,
+    """Batching, in process: a request decoded alone is `RolloutEngine.generate` bit for bit (tokens,
     logprobs, routes); decoded in one batch with others of other prompt lengths and sampling settings, it keeps its
     tokens and routes, and its logprobs move only by float reassociation."""
     from transformers import AutoTokenizer

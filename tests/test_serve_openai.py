@@ -1,4 +1,4 @@
-"""Issue 15: `mint serve` driven by the official `openai` client and by raw HTTP, as a real process on 127.0.0.1.
+"""`mint serve` driven by the official `openai` client and by raw HTTP, as a real process on 127.0.0.1.
 
 A drill with the openai client found dropped connections under load, a `Content-Length: -1` that hung a handler,
 500s without tracebacks, no streaming, empty top_logprobs, single-token stops, refused content parts, no
@@ -240,7 +240,7 @@ def test_adapters_load_inplace_and_from_directories(world):
     r = load(url, "evil", "./bad-a")
     assert r.status_code == 400 and "refusing to load" in r.json()["error"]["message"]
     assert "evil" not in [m.id for m in c.models.list().data]
-    # A per-expert export (the layout vLLM loads) is fused back and hash-checked: it is revision a (issue 13).
+    # A per-expert export (the layout vLLM loads) is fused back and hash-checked: it is revision a.
     assert load(url, "dir-pe", "./per-expert-a").json()["revision"] == world["a"]
     for name in ("dir-a", "dir-a2", "dir-pe"):
         assert post(url, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200

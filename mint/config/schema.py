@@ -25,8 +25,8 @@ def knob(default: Any, help: str, *, min: float | None = None, max: float | None
 class ModelConfig:
     path: str = knob(
         "tiny:qwen3_moe",
-        "Base model: a hub id, a local directory, or tiny:qwen3_moe / tiny:qwen2_moe / tiny:glm4_moe "
-        "for the embedded tiny bases (built locally and cached, never downloaded).",
+        "Base model: a hub id, a local directory, or tiny:qwen3_moe / tiny:qwen2_moe / tiny:glm4_moe / tiny:qwen3 "
+        "(dense) for the embedded tiny bases (never downloaded).",
     )
     dtype: str = knob(
         "float32", "Dtype of the frozen base and the LoRA weights.", choices=("float32", "bfloat16", "float16")
@@ -77,6 +77,13 @@ class DataConfig:
     )
 
 
+# What rollout.engine_command may name (mint.train.engines.launch_argv fills them).
+ENGINE_PLACEHOLDERS = (
+    "python", "model", "host", "port", "tp", "dtype", "max_lora_rank", "lora_modules", "routed_experts", "adapter_dir",
+    "index",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     group_size: int = knob(
@@ -125,8 +132,9 @@ class RolloutConfig:
     adapter_layout: str = knob(
         "auto",
         "vllm/sglang: the layout of the adapter directory a rollout actor writes. per-expert: fused expert LoRA "
-        "split per expert (gate/up/down_proj), as vLLM and SGLang load it; peft: as trained (`mint serve` loads "
-        "both); auto: per-expert when LoRA is on the experts of a Qwen-MoE base, else peft (docs/rollout.md).",
+        "split per expert (gate/up/down_proj); peft: as trained (`mint serve` loads both); auto: the layout the "
+        "backend's engine reads for the base's family (per-expert for Qwen2/Qwen3-MoE and GLM-4.5 expert LoRA on "
+        "vLLM and SGLang), peft without expert LoRA. A layout the engine cannot read is an error (docs/rollout.md).",
         choices=("auto", "peft", "per-expert"),
     )
     engines: int = knob(
@@ -137,11 +145,18 @@ class RolloutConfig:
     )
     engine_command: str = knob(
         "",
-        "rollout.engines: each server's launch line; {python} {model} {host} {port} {tp} {max_lora_rank} "
-        "{lora_modules} (LoRA's modules, per-expert names included) {adapter_dir} {index} are filled in. Empty: "
-        "the backend's vLLM / SGLang line (docs/rollout.md).",
+        "rollout.engines: each server's launch line; {python} {model} {host} {port} {tp} {dtype} {max_lora_rank} "
+        "(vllm: lora.rank rounded up to a rank vLLM accepts) {lora_modules} (LoRA's modules, per-expert names "
+        "included; several words) {routed_experts} (--enable-return-routed-experts on an MoE base, else nothing) "
+        "{adapter_dir} {index} are filled in. Empty: the backend's vLLM / SGLang line (docs/rollout.md).",
     )
-    engine_tp: int = knob(1, "rollout.engines: tensor-parallel size (GPUs with ray.rollout_gpus > 0) of each.", min=1)
+    engine_path: str = knob(
+        "",
+        "rollout.engines: a directory put first on each engine server's PATH, e.g. the bin of a virtualenv that "
+        "holds vLLM (`vllm serve` is found there; {python} stays Mint's own); a relative path is taken from where "
+        "`mint train` runs. Empty: the PATH as it is.",
+    )
+    engine_tp: int = knob(1, "rollout.engines: tensor-parallel size of each (its GPUs, on a run with GPUs).", min=1)
     engine_start_timeout: float = knob(900.0, "rollout.engines: seconds an engine may take to answer /health.", gt=0.0)
     engine_restarts: int = knob(
         2,
@@ -173,8 +188,7 @@ class RolloutConfig:
                 f"rollout.num_actors: {self.num_actors} actors for {n_engines} engine(s); each actor fronts at "
                 "least one engine, so use rollout.num_actors <= len(rollout.urls) or rollout.engines"
             )
-        keys = ("python", "model", "host", "port", "tp", "max_lora_rank", "lora_modules", "adapter_dir", "index")
-        fill = dict.fromkeys(keys, "")
+        fill = dict.fromkeys(ENGINE_PLACEHOLDERS, "")
         try:
             self.engine_command.format(**fill)
         except (KeyError, IndexError, ValueError) as err:
@@ -487,6 +501,7 @@ RESULT_NEUTRAL = (
     "rollout.adapter_dir",
     "rollout.engines",  # the engines' count, launch line and start timeout: where they run, as rollout.urls
     "rollout.engine_command",
+    "rollout.engine_path",
     "rollout.engine_start_timeout",
     "rollout.engine_restarts",
 )

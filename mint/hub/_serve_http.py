@@ -337,7 +337,7 @@ def build_app(host: AdapterHost, sched: Scheduler, **limits) -> FastAPI:
         rid = host.resolve_model(req.model)
         prompts = [api.tokens(p) for p in req.prompt]
         job = api.job(req, prompts, req.max_tokens, req.logprobs, rid)
-        renderer = Renderer(False, req.model, rid, job.seed, api.pieces, req.logprobs, prompts)
+        renderer = Renderer(False, req.model, rid, job.seed, api.pieces, req.logprobs, prompts, host.layout)
         return await api.run(request, req, job, renderer)
 
     @app.post("/v1/chat/completions")
@@ -354,7 +354,7 @@ def build_app(host: AdapterHost, sched: Scheduler, **limits) -> FastAPI:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         job = api.job(req, [prompt], max_tokens, top_k, rid)
-        renderer = Renderer(True, req.model, rid, job.seed, api.pieces, top_k, [prompt])
+        renderer = Renderer(True, req.model, rid, job.seed, api.pieces, top_k, [prompt], host.layout)
         return await api.run(request, req, job, renderer)
 
     return app

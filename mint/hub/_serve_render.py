@@ -6,8 +6,9 @@ alternatives of that same distribution (not truncated by top_p). Completions lis
 
 Routed experts use vLLM's encoding (the `routed_experts` field of a choice in vLLM after v0.21.0, vllm-project/vllm
 PR #39568): one array [P+R-1, L, k] for the whole sequence, prompt rows first (row i = the routing of the forward over
-input position i; the last token was never fed, so it has none), saved with `numpy.save` and base64-encoded.
-vLLM returns them on whole responses only, and so does this server.
+input position i; the last token was never fed, so it has none), L = every decoder layer with a dense layer's rows
+zero (vLLM sizes its capture buffer by the total layer count), uint8 up to 256 experts else uint16, saved with
+`numpy.save` and base64-encoded. vLLM returns them on whole responses only, and so does this server.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from longstraw.routing import ExpertLayout
 from mint.hub._serve_api import (
     AssistantMessage,
     ChatChoice,
@@ -39,13 +41,16 @@ from mint.hub._serve_api import (
 from mint.hub._serve_decode import Choice, Delta, Done
 
 
-def encode_routes(prompt_routes: list, routes: list) -> str:
-    """vLLM's `routed_experts`: base64 of the `.npy` bytes of prompt_routes [P-1][L][k] + routes [R][L][k], as
-    uint8 while every id fits (up to 256 experts), else uint16. Decode: np.load(io.BytesIO(b64decode(s)))."""
-    rows_S_L_K = np.asarray(prompt_routes + routes, dtype=np.int64)
-    dtype = np.uint8 if rows_S_L_K.size == 0 or rows_S_L_K.max() < 256 else np.uint16
+def encode_routes(prompt_routes: list, routes: list, layout: ExpertLayout) -> str:
+    """vLLM's `routed_experts`: base64 of the `.npy` bytes of prompt_routes [P-1][L_moe][k] + routes [R][L_moe][k]
+    spread over every decoder layer ([P+R-1, L, k], zeros at dense layers, as vLLM leaves them), uint8 while
+    `layout.num_experts` <= 256, else uint16. Decode: np.load(io.BytesIO(b64decode(s)))."""
+    moe_S_L_K = np.asarray(prompt_routes + routes, dtype=np.int64).reshape(-1, layout.num_layers, layout.top_k)
+    dtype = np.uint8 if layout.num_experts <= 256 else np.uint16
+    rows_S_L_K = np.zeros((moe_S_L_K.shape[0], layout.decoder_layers, layout.top_k), dtype=dtype)
+    rows_S_L_K[:, list(layout.moe_layer_ids)] = moe_S_L_K
     buf = io.BytesIO()
-    np.save(buf, rows_S_L_K.astype(dtype), allow_pickle=False)
+    np.save(buf, rows_S_L_K, allow_pickle=False)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -74,6 +79,7 @@ class Renderer:
     pieces: Pieces
     top_k: int | None  # None: no logprobs; else alternatives per token
     prompts: list[list[int]]
+    layout: ExpertLayout | None = None  # the base's routed experts (routes are encoded over all decoder layers)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     completion_tokens: int = 0
@@ -124,7 +130,7 @@ class Renderer:
             self.completion_tokens += len(c.token_ids)
             routes = None
             if c.routes is not None:
-                routes = encode_routes(done.prompt_routes[c.prompt_index] or [], c.routes)
+                routes = encode_routes(done.prompt_routes[c.prompt_index] or [], c.routes, self.layout)
             extras = dict(
                 stop_reason=c.stop_reason,
                 token_ids=c.token_ids,

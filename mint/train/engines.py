@@ -1,8 +1,9 @@
 """Engine servers started under Ray (`rollout.engines = N`): vLLM or SGLang, or anything that speaks their protocol.
 
-Each `EngineServer` actor launches one server as a subprocess on its node, from the `rollout.engine_command` template
-(or the backend's default launch line), in a process group of its own, writes its output to a log file, and waits
-for the server's `/health` to answer 200. Its URL then goes into `rollout.urls` for the rollout actors, which front
+Each `EngineServer` actor launches one server as a subprocess on its node, with the argv `launch_argv` renders from
+the `rollout.engine_command` template (or the backend's default launch line) and `rollout.engine_path` first on its
+PATH, in a process group of its own, writes its output to a log file, and waits for the server's `/health` to
+answer 200. Its URL then goes into `rollout.urls` for the rollout actors, which front
 the engines exactly as they front servers that already run (actor j: `urls[j::num_actors]`).
 
 - A server that exits, or does not answer within `rollout.engine_start_timeout`, stops the run with one line naming
@@ -15,18 +16,21 @@ the engines exactly as they front servers that already run (actor j: `urls[j::nu
   out of a run (end, error, Ctrl-C). The server itself also gets SIGTERM when its actor's process dies
   (PR_SET_PDEATHSIG), so a killed actor leaves no server behind.
 
-Engines are plain Ray actors outside the run's placement group: `rollout.engine_tp` GPUs each when
-`ray.rollout_gpus > 0` (Ray sets CUDA_VISIBLE_DEVICES, which the server inherits), no resources on CPU.
+Engines are plain Ray actors outside the run's placement group: `rollout.engine_tp` GPUs each on a run with GPUs
+(`ray.learner_gpus` or `ray.rollout_gpus` > 0; Ray sets CUDA_VISIBLE_DEVICES, which the server inherits), no
+resources on CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import shlex
 import signal
 import socket
+import string
 import subprocess
 import sys
 import tempfile
@@ -36,25 +40,37 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
 from mint.config import Config
-from mint.errors import MintError
+from mint.config import run_dir as default_run_dir
+from mint.errors import ConfigError, MintError
 
-# The documented launch lines, LoRA on (max rank from lora.rank), routed-expert return on, tensor parallel engine_tp.
+# Ray is imported inside the functions that use it: preflight checks the launch line (check_launch) before Ray is.
+
+# The documented launch lines: LoRA on, tensor parallel engine_tp, the base's dtype (vLLM on CPU would otherwise serve
+# an fp32 checkpoint in bf16), routed experts on an MoE base (vLLM refuses the flag on a dense one: "No supported MoE
+# router found for routed-experts capture"). `vllm serve` replaces the deprecated `python -m
+# vllm.entrypoints.openai.api_server`; rollout.engine_path puts a vLLM installed in a virtualenv of its own first.
 DEFAULT_COMMANDS = {
     "vllm": (
-        "{python} -m vllm.entrypoints.openai.api_server --model {model} --host {host} --port {port} "
-        "--tensor-parallel-size {tp} --enable-lora --max-lora-rank {max_lora_rank} --max-loras 2 "
-        "--enable-return-routed-experts --logprobs-mode processed_logprobs"
+        "vllm serve {model} --host {host} --port {port} --dtype {dtype} --tensor-parallel-size {tp} --enable-lora "
+        "--max-lora-rank {max_lora_rank} --max-loras 2 {routed_experts} --logprobs-mode processed_logprobs"
     ),
     "sglang": (
-        "{python} -m sglang.launch_server --model-path {model} --host {host} --port {port} --tp {tp} "
-        "--enable-lora --max-lora-rank {max_lora_rank} --lora-target-modules {lora_modules} "
-        "--enable-return-routed-experts"
+        "{python} -m sglang.launch_server --model-path {model} --host {host} --port {port} --dtype {dtype} "
+        "--tp-size {tp} --enable-lora --max-lora-rank {max_lora_rank} --lora-target-modules {lora_modules} "
+        "{routed_experts}"
     ),
 }
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"  # vLLM's and SGLang's alike
+# vLLM's --max-lora-rank takes only these (vllm/config/lora.py, MaxLoRARanks, vLLM 0.32 and 0.33).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# SGLang's --lora-target-modules takes only these, or "all" (sglang/srt/utils/common.py,
+# SUPPORTED_LORA_TARGET_MODULES, SGLang 0.5.23).
+SGLANG_LORA_MODULES = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "wq_b", "wk",
+    "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head", "qkvr",
+    "wo_ud",
+)  # fmt: skip
 EXPERT_MODULES = ("gate_proj", "up_proj", "down_proj")  # per-expert LoRA module names (mint.hub.export)
 HEALTH_POLL_S = 0.5
 STOP_WAIT_S = 20.0
@@ -81,7 +97,84 @@ def _port_taken(host: str, port: int, wait: float) -> str:
 
 def engine_command(config: Config) -> str:
     """The launch template of this run's engines: rollout.engine_command, else the backend's default."""
+    if not config.rollout.engine_command and config.rollout.backend not in DEFAULT_COMMANDS:
+        raise ConfigError(f"rollout.backend: {config.rollout.backend} starts no engine servers (use vllm or sglang)")
     return config.rollout.engine_command or DEFAULT_COMMANDS[config.rollout.backend]
+
+
+def lora_modules(config: Config) -> list[str]:
+    """The modules the engines' adapter directories hold LoRA for: lora.target_modules, plus the per-expert layout's
+    gate_proj / up_proj / down_proj with lora.target_experts."""
+    modules = [*config.lora.target_modules, *(EXPERT_MODULES if config.lora.target_experts else ())]
+    return list(dict.fromkeys(modules))
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's --max-lora-rank for LoRA rank `rank`: the smallest rank it accepts that holds `rank` (24 -> 32).
+    Above 512 there is none; `rank` itself is returned and check_launch refuses it."""
+    return next((allowed for allowed in VLLM_LORA_RANKS if allowed >= rank), rank)
+
+
+def check_launch(config: Config) -> None:
+    """One-line ConfigError when the engines' launch line passes a value the engine refuses at start: a lora.rank
+    above 512 in vLLM's {max_lora_rank}, or a lora.target_modules name outside SGLang's --lora-target-modules
+    choices in {lora_modules}. Pure: preflight runs it before anything starts (for rollout.engines > 0)."""
+    r = config.rollout
+    names = {name for _, name, _, _ in string.Formatter().parse(engine_command(config)) if name}
+    rank, most = config.lora.rank, VLLM_LORA_RANKS[-1]
+    if r.backend == "vllm" and "max_lora_rank" in names and rank > most:
+        raise ConfigError(
+            f"lora.rank: {rank} is above {most}, the largest --max-lora-rank vLLM accepts (rollout.backend = vllm "
+            f"with rollout.engines); use lora.rank <= {most}"
+        )
+    if r.backend == "sglang" and "lora_modules" in names:
+        bad = [m for m in lora_modules(config) if m not in SGLANG_LORA_MODULES]
+        if bad:
+            raise ConfigError(
+                f"lora.target_modules: SGLang's --lora-target-modules does not take {bad[0]!r} (rollout.backend = "
+                f"sglang with rollout.engines); it takes {', '.join(SGLANG_LORA_MODULES)}"
+            )
+
+
+def launch_argv(config: Config, values: dict) -> list[str]:
+    """One engine server's argv, exactly as `EngineServer` runs it: the launch template (rollout.engine_command, else
+    DEFAULT_COMMANDS[rollout.backend]) split like a shell line (shlex), then each word's placeholders filled.
+
+    config  the run's config, which gives {tp} (rollout.engine_tp), {dtype} (model.dtype), {max_lora_rank}
+            (lora.rank; with rollout.backend = vllm rounded up to the next rank vLLM accepts, VLLM_LORA_RANKS),
+            {lora_modules} (`lora_modules`), {adapter_dir} (rollout.adapter_dir, else <run dir>/engine_adapters) and
+            {python} (this process's interpreter: Mint's own Python).
+    values  what the launcher knows: "model" (the base's local path, as the server loads it), "host" and "port"
+            (where it listens), and optionally "index" (the engine's number; default 0) and "moe" (whether the base is
+            sparse-MoE; default True): {routed_experts} is --enable-return-routed-experts only for an MoE base. A
+            value given here for any other placeholder replaces the config's.
+
+    A word that is exactly {lora_modules} or {routed_experts} becomes one argv word per item (none at all for
+    {routed_experts} on a dense base); inside a longer word the items are joined by spaces. Raises ConfigError for a
+    value the engine would refuse (`check_launch`). Needs no Ray and starts nothing.
+    """
+    check_launch(config)
+    r, rank = config.rollout, config.lora.rank
+    fill = {
+        "python": sys.executable,
+        "tp": r.engine_tp,
+        "dtype": config.model.dtype,
+        "max_lora_rank": vllm_lora_rank(rank) if r.backend == "vllm" else rank,
+        "lora_modules": lora_modules(config),
+        "adapter_dir": r.adapter_dir or str(default_run_dir(config) / "engine_adapters"),
+        "index": 0,
+        **{k: v for k, v in values.items() if k != "moe"},
+        "routed_experts": [ROUTED_EXPERTS_FLAG] if values.get("moe", True) else [],
+    }
+    joined = {k: " ".join(map(str, v)) if isinstance(v, list | tuple) else v for k, v in fill.items()}
+    argv = []
+    for word in shlex.split(engine_command(config)):
+        whole = fill.get(word[1:-1]) if word.startswith("{") and word.endswith("}") else None
+        if isinstance(whole, list | tuple):
+            argv.extend(str(item) for item in whole)
+        else:
+            argv.append(word.format(**joined))
+    return argv
 
 
 def log_tail(path: str | Path, chars: int = TAIL_CHARS) -> str:
@@ -95,12 +188,14 @@ def log_tail(path: str | Path, chars: int = TAIL_CHARS) -> str:
 
 
 class EngineServer:
-    """One engine server process on this actor's node (made a Ray actor by `start_engines`)."""
+    """One engine server process on this actor's node (made a Ray actor by `start_engines`): `launch_argv(config,
+    values)` with this node's host (or `values["host"]`: a benchmark serves on 127.0.0.1), a free port and `index`
+    added, its environment os.environ + `env` with rollout.engine_path first on PATH."""
 
     def __init__(
         self,
         index: int,
-        template: str,
+        config: Config,
         values: dict,
         log_path: str,
         env: dict[str, str],
@@ -112,14 +207,20 @@ class EngineServer:
         self.max_restarts = max_restarts  # rollout.engine_restarts
         self.start_timeout = start_timeout  # rollout.engine_start_timeout: the default wait of a restart
         self.restarts = 0
-        self.host = ray.util.get_node_ip_address()
+        if "host" in values:
+            self.host = values["host"]
+        else:
+            import ray
+
+            self.host = ray.util.get_node_ip_address()
         with socket.socket() as s:  # a free port on this node (the server binds it a moment later)
             s.bind((self.host, 0))
             self.port = s.getsockname()[1]
         self.url = f"http://{self.host}:{self.port}"
-        fill = {**values, "python": sys.executable, "host": self.host, "port": self.port, "index": index}
-        self.argv = [arg.format(**fill) for arg in shlex.split(template)]
+        self.argv = launch_argv(config, {**values, "host": self.host, "port": self.port, "index": index})
         self.env = {**os.environ, **env}
+        if config.rollout.engine_path:
+            self.env["PATH"] = os.pathsep.join(p for p in (config.rollout.engine_path, self.env.get("PATH")) if p)
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - the server writes to it for as long as it runs
         self.stopped, self.start_error, self.proc = False, "", None
@@ -149,7 +250,7 @@ class EngineServer:
                 preexec_fn=die_with_actor,
             )
         except OSError as err:
-            self.start_error = f"{self.name()} could not start {self.argv[0]!r}: {err}"
+            self.start_error = f"{self.name()} could not start {self.argv[0]!r}: {err} (rollout.engine_path)"
 
     def name(self) -> str:
         return (
@@ -263,29 +364,29 @@ class EngineServer:
 def start_engines(config: Config, model_path: str, run_dir: str | Path | None) -> tuple[list, list[str]]:
     """Start `rollout.engines` servers as Ray actors and wait until every one is healthy: (actors, urls). One line
     naming the first engine that fails; the others are stopped then."""
-    from mint.config import run_dir as default_run_dir
+    import ray
+    from ray.exceptions import GetTimeoutError, RayTaskError
+    from transformers import AutoConfig
+
+    from mint.models.specs import moe_layout
 
     r = config.rollout
     root = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="mint-engines-"))
-    adapter_dir = r.adapter_dir or str(default_run_dir(config) / "engine_adapters")
-    # the modules the adapter directory holds LoRA for: the per-expert layout adds the experts' projections
-    modules = [*config.lora.target_modules, *(EXPERT_MODULES if config.lora.target_experts else ())]
-    values = {
-        "model": model_path,
-        "tp": r.engine_tp,
-        "max_lora_rank": config.lora.rank,
-        "lora_modules": " ".join(dict.fromkeys(modules)),
-        "adapter_dir": adapter_dir,
-    }
+    if r.engine_path:  # a relative one is taken from here, not from the engine actor's working directory
+        r = dataclasses.replace(r, engine_path=str(Path(r.engine_path).absolute()))
+        config = dataclasses.replace(config, rollout=r)
+    values = {"model": model_path, "moe": moe_layout(AutoConfig.from_pretrained(model_path)) is not None}
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "TOKENIZERS_PARALLELISM": "false"}
-    gpus = r.engine_tp if config.ray.rollout_gpus > 0 else 0
+    # A run on GPUs gives each engine engine_tp whole GPUs; the rollout actors beside them only talk HTTP, so they
+    # need none (ray.rollout_gpus = 0). Tied to ray.rollout_gpus alone, the engines' GPUs forced a GPU share on every
+    # rollout actor too, and on 8 GPUs (4 learner, two engines of TP 2) the fractional shares left 3 whole GPUs.
+    on_gpus = config.ray.learner_gpus > 0 or config.ray.rollout_gpus > 0
+    gpus = r.engine_tp if on_gpus else 0
     # max_concurrency 2: stop() runs while wait_healthy() still polls (another engine failed first)
     cls = ray.remote(max_restarts=0, max_concurrency=2)(EngineServer).options(num_cpus=0, num_gpus=gpus)
-    template = engine_command(config)
     logs = [str(root / "engines" / f"engine_{i}.log") for i in range(r.engines)]
     actors = [
-        cls.remote(i, template, values, logs[i], env, r.engine_restarts, r.engine_start_timeout)
-        for i in range(r.engines)
+        cls.remote(i, config, values, logs[i], env, r.engine_restarts, r.engine_start_timeout) for i in range(r.engines)
     ]
     try:
         urls = ray.get(
@@ -308,6 +409,8 @@ def start_engines(config: Config, model_path: str, run_dir: str | Path | None) -
 
 def check_engines(engines: list) -> None:
     """Raise one line naming the first engine whose server died (or whose actor is gone); nothing when all run."""
+    import ray
+
     for i, actor in enumerate(engines):
         try:
             line = ray.get(actor.status.remote(), timeout=30)
@@ -326,6 +429,9 @@ def revive_engines(cluster) -> bool:
 
     Until a rollout actor has reinstalled its revision on the new server, a request there names an adapter the
     server does not hold and fails: no sample comes from an engine without the revision the call names."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
     revived = []
     for i, actor in enumerate(cluster.engines):
         try:
@@ -360,6 +466,8 @@ def revive_engines(cluster) -> bool:
 
 def stop_engines(engines: list) -> None:
     """Stop every engine's server (its whole process group), then the actors. Never raises."""
+    import ray
+
     calls = []
     for actor in engines:
         with contextlib.suppress(Exception):

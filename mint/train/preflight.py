@@ -2,13 +2,15 @@
 
 `mint.config` checks a recipe's keys on their own; this module opens what they point at: the model directory (its
 config.json, read as JSON, never the weights), the tokenizer, the dataset, the reward function and the stop
-tokens. The first problem raises `ConfigError` with one line that names the key and the fix, so a run that would
-fail after Ray started (20-25 s), or train on prompts longer than the model's context, fails before it starts.
+tokens; and it checks the launch line of the engine servers the run starts (`rollout.engines`) against what vLLM or
+SGLang accept (a LoRA rank, LoRA module names). The first problem raises `ConfigError` with one line that names the
+key and the fix, so a run that would fail after Ray started (20-25 s), or train on prompts longer than the model's
+context, fails before it starts.
 
-The checks run cheapest first. Those that need only the standard library (a local model directory, the reward,
-the dataset, one reward call) take about a millisecond and come before the tokenizer, whose imports (torch and
-transformers, through the rollout actor's prompt rendering and the tiny bases) took 2.6 s cold on 2 busy cores.
-Once imported, a tiny recipe's whole preflight takes about 5 ms.
+The checks run cheapest first. Those that need only the standard library (the engines' launch line, a local model
+directory, the reward, the dataset, one reward call) take about a millisecond and come before the tokenizer, whose
+imports (torch and transformers, through the rollout actor's prompt rendering and the tiny bases) took 2.6 s cold on
+2 busy cores. Once imported, a tiny recipe's whole preflight takes about 5 ms.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from mint.errors import ConfigError, DataError, RewardError
 from mint.rl.data import Dataset, FileDataset, load_dataset
 from mint.rl.reward_set import RewardSet
 from mint.rl.tasks import Example
+from mint.train.engines import check_launch
 
 # Synthetic tasks are endless: the first batches of the run's own stream stand for the rest.
 SYNTHETIC_BATCHES = 4
@@ -61,14 +64,17 @@ class _Model:
 
 
 def preflight(config: Config) -> Preflight:
-    """Check the model, reward, dataset, tokenizer, stop tokens and prompt lengths of `config`.
+    """Check the engines' launch line, model, reward, dataset, tokenizer, stop tokens and prompt lengths of `config`.
 
-    Order: a local model directory, the reward's import, the dataset, one reward call; then (after the heavy
-    imports) a tiny or hub model, the tokenizer, the stop tokens, and every prompt's length. Raises ConfigError
-    (one line, naming the key) on the first problem. Starts nothing and writes nothing: no Ray, no run directory,
-    no tiny base build (a tiny base not yet cached is checked with its tokenizer and config, built in memory).
+    Order: the engines' launch line, a local model directory, the reward's import, the dataset, one reward call; then
+    (after the heavy imports) a tiny or hub model, the tokenizer, the stop tokens, and every prompt's length. Raises
+    ConfigError (one line, naming the key) on the first problem. Starts nothing and writes nothing: no Ray, no run
+    directory, no tiny base build (a tiny base not yet cached is checked with its tokenizer and config, built in
+    memory).
     """
     start = time.perf_counter()
+    if config.rollout.engines:
+        check_launch(config)  # values vLLM / SGLang would refuse when the run starts them, minutes from now
     local = _local_model(config.model.path)
     rewards = _reward(config)
     dataset = _dataset(config)

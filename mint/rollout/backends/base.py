@@ -163,8 +163,9 @@ def decode_npy(text: str) -> np.ndarray:
 
 
 def decode_int32(text: str, num_rows: int) -> np.ndarray | None:
-    """SGLang's `routed_experts`: base64 of raw int32 bytes of a [num_rows, L, k] array (its shape is not sent;
-    L * k follows from the size). None when the size does not split into num_rows rows."""
+    """SGLang's `routed_experts`: base64 of raw int32 bytes of a [num_rows, L, k] array, L = all decoder layers (its
+    shape is not sent; `split_routes` reshapes the [num_rows, 1, L * k] this returns). None when the size does not
+    split into num_rows rows."""
     flat = np.frombuffer(base64.b64decode(text), dtype=np.int32)
     if num_rows <= 0 or flat.size % num_rows:
         return None
@@ -174,20 +175,27 @@ def decode_int32(text: str, num_rows: int) -> np.ndarray | None:
 def split_routes(
     rows_S_L_K: np.ndarray | None, num_prompt: int, num_tokens: int, layout: ExpertLayout | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """An engine's whole-sequence routes [P+R-1, L, k] -> (prompt routes [P-1, L, k], response routes [R, L, k]).
+    """An engine's whole-sequence routes [P+R-1, L, k] -> (prompt routes [P-1, L_moe, k], response routes
+    [R, L_moe, k]).
 
     Row i of an engine's array is the routing of the forward over input position i (vLLM and SGLang alike), which is
-    the R3 convention of `mint.rollout.engine`: rows 0..P-2 are the prompt's, row P-1+j produced token j. Anything
-    that does not line up with the tokens (or a dense base) gives (None, None): R3 counts the tokens as missing.
-    Ids are stored in the layout's route dtype when they fit; out-of-range ids are kept as int64 for the learner to
-    count (route_status).
+    the R3 convention of `mint.rollout.engine`: rows 0..P-2 are the prompt's, row P-1+j produced token j. L is either
+    every decoder layer (vLLM's and SGLang's form, `layout.decoder_layers`: a dense layer's row holds zeros, so only
+    the MoE layers' rows `layout.moe_layer_ids` are kept) or the MoE layers only (`layout.num_layers`); SGLang's flat
+    [S, 1, L * k] rows are reshaped first. Anything that does not line up with the tokens (or a dense base) gives
+    (None, None): R3 counts the tokens as missing; a layer count that is neither is passed on for the learner to
+    count (route_layers). Ids are stored in the layout's route dtype when they fit; out-of-range ids are kept as
+    int64 for the learner to count (route_status).
     """
     if rows_S_L_K is None or layout is None:
         return None, None
     if rows_S_L_K.ndim != 3 or rows_S_L_K.shape[0] != num_prompt + num_tokens - 1:
         return None, None
-    if rows_S_L_K.shape[1] == 1 and layout.num_layers * layout.top_k == rows_S_L_K.shape[2]:
-        rows_S_L_K = rows_S_L_K.reshape(rows_S_L_K.shape[0], layout.num_layers, layout.top_k)  # SGLang's flat rows
+    num_rows, decoder_layers, k = rows_S_L_K.shape[0], layout.decoder_layers, layout.top_k
+    if rows_S_L_K.shape[1] == 1 and rows_S_L_K.shape[2] in (decoder_layers * k, layout.num_layers * k):
+        rows_S_L_K = rows_S_L_K.reshape(num_rows, rows_S_L_K.shape[2] // k, k)  # SGLang's flat rows
+    if rows_S_L_K.shape[1] == decoder_layers != layout.num_layers:
+        rows_S_L_K = rows_S_L_K[:, list(layout.moe_layer_ids)]  # one row per decoder layer: keep the MoE layers'
     ids = torch.from_numpy(rows_S_L_K.astype(np.int64))
     if ids.numel() and int(ids.min()) >= 0 and int(ids.max()) < layout.num_experts:
         ids = ids.to(layout.route_dtype)

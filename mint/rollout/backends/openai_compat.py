@@ -5,7 +5,8 @@ One group = one POST /v1/completions with the prompt as token ids and n = G:
     request   model (the policy adapter's lora_name), prompt [ids], n, max_tokens, temperature, top_p, seed,
               logprobs: 0 (the sampled token's logprob only), stop_token_ids, return_token_ids: true
     response  choices[i].token_ids, choices[i].logprobs.token_logprobs, choices[i].finish_reason, and with the server
-              started with --enable-return-routed-experts, choices[i].routed_experts: base64 `.npy` [P+R-1, L, k]
+              started with --enable-return-routed-experts, choices[i].routed_experts: base64 `.npy` [P+R-1, L, k],
+              L = every decoder layer (a dense layer's rows are zeros)
 
 Weight sync: POST /v1/load_lora_adapter {"lora_name", "lora_path": DIR, "load_inplace": true} swaps the adapter
 behind one fixed name (vLLM needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); requests name it from then on. `load_on`

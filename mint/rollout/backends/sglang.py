@@ -2,11 +2,13 @@
 
 One group = one POST /generate with G copies of the prompt (a batch: the radix cache holds the prefix once):
 
-    request   input_ids [[ids] x G], sampling_params {temperature, top_p, max_new_tokens, stop_token_ids,
-              sampling_seed}, return_logprob: true, return_routed_experts: true, lora_path (the loaded adapter's name)
+    request   input_ids [[ids] x G], sampling_params [{temperature, top_p, max_new_tokens, stop_token_ids,
+              sampling_seed} x G] (sample j: sampling_seed = group_seed(the group's seed, j)), return_logprob: true,
+              return_routed_experts: true, lora_path (the loaded adapter's name)
     response  a list of G objects: output_ids, meta_info.output_token_logprobs [[logprob, id, text], ...],
               meta_info.finish_reason {"type": "stop" | "length" | "abort", ...}, and with the server started with
-              --enable-return-routed-experts, meta_info.routed_experts: base64 of int32 [P+R-1, L, k] (shape not sent)
+              --enable-return-routed-experts, meta_info.routed_experts: base64 of int32 [P+R-1, L, k] (shape not sent;
+              L = every decoder layer, dense ones included)
 
 Weight sync: SGLang names adapters and has no in-place swap, so each revision loads under its own name
 (POST /load_lora_adapter {"lora_name", "lora_path"}), later requests name it, and the previous one is unloaded
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 from mint.rollout.backends.base import EngineError, HttpBackend, decode_int32, split_routes
-from mint.rollout.engine import Completion, GroupRollout, SamplingParams
+from mint.rollout.engine import Completion, GroupRollout, SamplingParams, group_seed
 
 FINISH_TYPES = ("stop", "length")
 
@@ -57,15 +59,19 @@ class SglangBackend(HttpBackend):
         self._request("POST", url, "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
 
     def _group(self, url: str, prompt: list[int], group_size: int, params: SamplingParams, seed: int) -> GroupRollout:
+        sampling = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "max_new_tokens": params.max_tokens,
+            "stop_token_ids": list(params.stop_token_ids),
+        }
         body = {
             "input_ids": [prompt] * group_size,
-            "sampling_params": {
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "max_new_tokens": params.max_tokens,
-                "stop_token_ids": list(params.stop_token_ids),
-                "sampling_seed": seed,
-            },
+            # One dict per sample: SGLang copies a single dict to every input, and with one sampling_seed for G
+            # copies of one prompt its deterministic sampler draws the same response G times (advantage 0). Sample
+            # j takes group_seed(seed, j), not seed + j: shard seeds are consecutive (step_seed * 1000 + shard), so
+            # seed + j would give sample 1 of one shard's first group the seed of the next shard's.
+            "sampling_params": [{**sampling, "sampling_seed": group_seed(seed, j)} for j in range(group_size)],
             "return_logprob": True,
             "return_routed_experts": self.layout is not None,
         }
