@@ -30,7 +30,7 @@ from mint.hub.integrity import verify_catalog
 from mint.hub.revisions import ADAPTER_FILE, CONFIG_FILE, base_fingerprint, read_revision_dir, revision_id
 from mint.models.expert_lora import factor_experts
 from mint.models.lora import adapter_config_dict, add_lora, load_lora_state, lora_state, peft_config
-from mint.models.specs import load_model, tiny_config
+from mint.models.specs import load_model, moe_layers, moe_layout, tiny_config
 
 X = torch.tensor([[3, 17, 42, 8, 91, 5, 60, 11, 29]])
 
@@ -122,18 +122,20 @@ def _merge_per_expert_into_checkpoint(base: str, adapter_dir: Path, out: Path) -
     save_file(weights, str(out / "model.safetensors"))
 
 
-def test_per_expert_split_is_exact_and_serves_the_same_model(random_tiny_path, tmp_path):
-    trained = _trained(random_tiny_path)
-    cat, rid = _publish(tmp_path, random_tiny_path, trained)
+def _assert_split_is_exact_and_serves_the_same_model(base: str, tmp_path: Path) -> None:
+    trained = _trained(base)
+    cat, rid = _publish(tmp_path, base, trained)
     tensors, meta = cat.load(rid)
-    base_config = AutoConfig.from_pretrained(random_tiny_path)
+    base_config = AutoConfig.from_pretrained(base)
     split, config = split_experts(tensors, meta.lora_config, base_config)
 
-    E, layers = base_config.num_experts, base_config.num_hidden_layers
+    layout = moe_layout(base_config)  # GLM's dense first layer has no experts
     H, inter, r = base_config.hidden_size, base_config.moe_intermediate_size, meta.lora_config["r"]
     expert_keys = [k for k in split if ".mlp.experts." in k]
-    assert len(expert_keys) == layers * E * 3 * 2 and not any(".base_layer." in k for k in split)
-    prefix = "base_model.model.model.layers.1.mlp.experts.3"
+    assert len(expert_keys) == layout.num_layers * layout.num_experts * 3 * 2 and not any(
+        ".base_layer." in k for k in split
+    )
+    prefix = f"base_model.model.model.layers.{moe_layers(base_config)[-1]}.mlp.experts.3"
     assert split[f"{prefix}.gate_proj.lora_A.weight"].shape == (r, H)
     assert split[f"{prefix}.up_proj.lora_B.weight"].shape == (inter, r)
     assert split[f"{prefix}.down_proj.lora_A.weight"].shape == (r, inter)
@@ -146,9 +148,33 @@ def test_per_expert_split_is_exact_and_serves_the_same_model(random_tiny_path, t
     assert set(back) == set(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
 
     export(cat, rid, tmp_path / "per-expert", "per-expert")
-    _merge_per_expert_into_checkpoint(random_tiny_path, tmp_path / "per-expert", tmp_path / "merged-by-name")
+    _merge_per_expert_into_checkpoint(base, tmp_path / "per-expert", tmp_path / "merged-by-name")
     served = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged-by-name"), dtype=torch.float32).eval()
     torch.testing.assert_close(_logits(served), _logits(trained), rtol=1e-5, atol=1e-5)
+    cat.close()
+
+
+def test_per_expert_split_is_exact_and_serves_the_same_model(random_tiny_path, tmp_path):
+    _assert_split_is_exact_and_serves_the_same_model(random_tiny_path, tmp_path)
+
+
+def test_glm4_moe_expert_lora_splits_per_expert_and_serves_the_same_model(random_glm_path, tmp_path):
+    """GLM-4.5 expert LoRA could not be written per expert (the split knew only Qwen-MoE), so a vLLM or SGLang engine
+    was handed PEFT's fused layout, which neither loads. GLM's fused gate_up rows are [gate; up] as in Qwen-MoE, so the
+    same split applies: exact, and folded in by name through transformers' own per-expert -> fused GLM loader it gives
+    the trained model's logits (a swapped gate/up or a wrong expert index would not). What a rollout actor writes for
+    GLM reads back (`mint serve`) as the trained revision."""
+    _assert_split_is_exact_and_serves_the_same_model(random_glm_path, tmp_path)
+    with Catalog(tmp_path / "catalog") as cat:
+        rid = cat.latest("t").id
+        tensors, meta = cat.load(rid)
+    base_config = AutoConfig.from_pretrained(random_glm_path)
+    assert engine_layout("auto", meta.lora_config, base_config, engine="vllm") == "per-expert"
+    out = write_adapter_dir(tmp_path / "engine", rid, tensors, meta.lora_config, {}, "per-expert", base_config)
+    back, _, recorded = read_adapter_dir(out, base_config)
+    assert (
+        recorded["id"] == rid and all(torch.equal(back[k], tensors[k]) for k in tensors) and set(back) == set(tensors)
+    )
 
 
 def test_engine_adapter_dirs_read_back_as_the_trained_revision(random_tiny_path, tmp_path):
@@ -176,10 +202,11 @@ def test_engine_adapter_dirs_read_back_as_the_trained_revision(random_tiny_path,
     cat.close()
 
 
-def test_engine_layout_is_per_expert_only_where_the_split_is_known():
-    """auto: per-expert for expert LoRA on a Qwen-MoE base, peft without expert LoRA or on another family; an
-    explicit per-expert on GLM-MoE (unverified names) or an unknown layout is one line. The expert metadata (a meta
-    skeleton of the base) is built once per pair of configs."""
+def test_engine_layout_follows_what_each_engine_reads():
+    """auto: the layout `ENGINE_EXPERT_LAYOUTS` gives the engine for the base's family when the experts carry LoRA
+    (per-expert for Qwen-MoE and GLM-MoE on vLLM and SGLang; `mint serve` reads both and gets the trained one), peft
+    without expert LoRA; an explicit layout the engine cannot read, an unknown engine or an unknown layout is one
+    line. The expert metadata (a meta skeleton of the base) is built once per pair of configs."""
     from mint.hub.export import _EXPERT_LORAS
 
     def adapter(config, experts: bool) -> dict:
@@ -187,17 +214,42 @@ def test_engine_layout_is_per_expert_only_where_the_split_is_known():
         return {k: sorted(v) if isinstance(v, set) else v for k, v in lora.items()}
 
     qwen, glm = tiny_config("qwen3_moe", 97), tiny_config("glm4_moe", 97)
-    assert engine_layout("auto", adapter(qwen, True), qwen) == "per-expert"
-    assert engine_layout("auto", adapter(qwen, False), qwen) == "peft"
-    assert engine_layout("peft", adapter(qwen, True), qwen) == "peft"
-    assert engine_layout("auto", adapter(glm, True), glm) == "peft"
+    for config in (qwen, glm):
+        experts, attention_only = adapter(config, True), adapter(config, False)
+        for engine in ("vllm", "sglang"):
+            assert engine_layout("auto", experts, config, engine=engine) == "per-expert"
+            assert engine_layout("per-expert", experts, config, engine=engine) == "per-expert"
+            assert engine_layout("auto", attention_only, config, engine=engine) == "peft"
+            assert engine_layout("peft", attention_only, config, engine=engine) == "peft"  # the same keys either way
+            with pytest.raises(MintError, match=f"{engine} reads {config.model_type} expert LoRA in the per-expert"):
+                engine_layout("peft", experts, config, engine=engine)
+        assert engine_layout("auto", experts, config, engine="mint") == "peft"
+        assert engine_layout("per-expert", experts, config, engine="mint") == "per-expert"
     cached = len(_EXPERT_LORAS)
-    assert engine_layout("per-expert", adapter(qwen, True), qwen) == "per-expert" and len(_EXPERT_LORAS) == cached
-    with pytest.raises(MintError, match="not glm4_moe; use peft") as err:
-        engine_layout("per-expert", adapter(glm, True), glm)
+    assert engine_layout("auto", adapter(qwen, True), qwen) == "per-expert" and len(_EXPERT_LORAS) == cached
+    with pytest.raises(MintError, match="layout, not peft") as err:
+        engine_layout("peft", adapter(glm, True), glm)
     assert "\n" not in str(err.value)
+    with pytest.raises(MintError, match="engine 'builtin' is not one of vllm, sglang, mint"):
+        engine_layout("auto", adapter(qwen, True), qwen, engine="builtin")
     with pytest.raises(MintError, match="not one of auto, peft, per-expert"):
         engine_layout("merged", adapter(qwen, True), qwen)
+
+
+def test_engine_layout_per_expert_refused_where_the_split_does_not_apply():
+    """A family outside the table whose experts carry LoRA (here a 4-expert OLMoE): auto keeps the trained layout,
+    and an explicit per-expert is one line, since `split_experts` does not know its gate/up order."""
+    from transformers import OlmoeConfig
+
+    olmoe = OlmoeConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    lora = peft_config(LoraConfig(), olmoe).to_dict()
+    lora = {k: sorted(v) if isinstance(v, set) else v for k, v in lora.items()}
+    assert engine_layout("auto", lora, olmoe) == "peft"
+    with pytest.raises(MintError, match="per-expert knows the layout of qwen2_moe, qwen3_moe, glm4_moe, not olmoe"):
+        engine_layout("per-expert", lora, olmoe)
 
 
 def test_merged_export_is_written_only_on_request(random_qwen3_path, tmp_path, capsys):

@@ -9,7 +9,7 @@ its modules, and a test enforces it). MinT stands on its own: it never imports t
     RevisionMeta                  a revision's metadata (id, parent, step, run, recipe hash, base, metrics)
     read_revision_dir(path)       a revision directory's tensors and metadata, hash-verified
     write_revision_dir(path, ...) write one (PEFT layout, atomically)
-    engine_layout(...)            the layout an engine is handed: peft, or per-expert (vLLM/SGLang expert LoRA)
+    engine_layout(..., engine)    the layout that engine reads for the base's family: peft or per-expert
     write_adapter_dir(path, ...)  a revision in that layout, atomically: what a rollout actor hands its engine
     read_adapter_dir(path, cfg)   either layout back in the trained one, hash-checked (what `mint serve` loads)
     revision_id(tensors)          sha256 of the canonical tensors: the id

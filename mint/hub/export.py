@@ -3,8 +3,8 @@
 Formats
     peft        The revision directory as it is: `PeftModel.from_pretrained(base, dir)` loads it and gives the
                 training model's logits. Fused MoE experts keep PEFT's `target_parameters` layout.
-    per-expert  Fused 3-D expert LoRA split into per-expert 2-D LoRA under the module names of Qwen-MoE
-                checkpoints, which vLLM and SGLang load:
+    per-expert  Fused 3-D expert LoRA split into per-expert 2-D LoRA under the module names of the per-expert
+                checkpoints of Qwen-MoE and GLM-4.5, which vLLM (2-D MoE models) and SGLang load:
                     base_model.model.model.layers.{l}.mlp.experts.{e}.gate_proj.lora_A.weight   [r, H]
                     base_model.model.model.layers.{l}.mlp.experts.{e}.gate_proj.lora_B.weight   [I, r]
                     ... .up_proj.lora_A / lora_B                                                 [r, H] / [I, r]
@@ -14,15 +14,16 @@ Formats
 
 The split is exact (indexing only, no arithmetic): PEFT keeps expert e's A as rows [e*r, (e+1)*r) of lora_A
 (r*E, in) and its B as columns e, e+E, e+2E, ... of lora_B (out, r*E); the delta of expert e is
-scale * B_e @ A_e, shape (out, in). gate_up_proj's out rows are [gate (I); up (I)] (Qwen-MoE computes
+scale * B_e @ A_e, shape (out, in). gate_up_proj's out rows are [gate (I); up (I)] (Qwen-MoE and GLM-4.5 compute
 `gate, up = linear(x, W_e).chunk(2)`), so gate_proj and up_proj share A_e and take the two halves of B_e.
 `fuse_experts` inverts `split_experts` bit for bit; tests check both that and the logits of a checkpoint merged from
 the per-expert keys through transformers' own per-expert -> fused loader.
 
-Engine directories: a rollout actor writes each revision in the layout its engine loads (`engine_layout`,
-`write_adapter_dir`), and `mint serve` reads either layout back (`read_adapter_dir`). A per-expert directory records
-the trained (fused) revision's id and adapter config in mint_revision.json, so a reader fuses it back and checks the
-hash against that id: the per-expert tensors themselves hash to something else.
+Engine directories: a rollout actor writes each revision in the layout its engine loads (`engine_layout`, from
+`ENGINE_EXPERT_LAYOUTS`, the table of what each engine reads per family; `write_adapter_dir`), and `mint serve` reads
+either layout back (`read_adapter_dir`). A per-expert directory records the trained (fused) revision's id and adapter
+config in mint_revision.json, so a reader fuses it back and checks the hash against that id: the per-expert tensors
+themselves hash to something else.
 """
 
 from __future__ import annotations
@@ -57,8 +58,31 @@ from mint.hub.revisions import (
 
 FORMATS = ("peft", "per-expert", "merged")
 ENGINE_LAYOUTS = ("auto", "peft", "per-expert")  # what a rollout actor may write for its engine
-PER_EXPERT_FAMILIES = ("qwen2_moe", "qwen3_moe")  # fused gate_up rows are [gate; up] in these
+# Fused gate_up rows are [gate; up] in these (transformers computes `gate, up = linear(x, W_e).chunk(2)` in each, and
+# its checkpoint conversion maps glm4_moe's per-expert keys with qwen2_moe's pattern), so `split_experts` applies.
+PER_EXPERT_FAMILIES = ("qwen2_moe", "qwen3_moe", "glm4_moe")
 _PEFT_PREFIX = "base_model.model."
+
+# The layouts each engine reads expert LoRA in, per family (model_type); the first is what `auto` writes. Read off
+# the engines' own loaders (tests/test_vllm_lora_conformance.py runs vLLM's). vLLM: a model class that leaves
+# `is_3d_moe_weight` False gets the 2-D MoE LoRA wrapper, which takes per-expert keys (experts.{e}.gate_proj, ...)
+# and refuses the fused PEFT layout (unless the server runs --enable-mixed-moe-lora-format and each load request says
+# is_3d_lora_weight, which Mint's load call does not); one that sets it True takes only the fused layout. SGLang
+# takes per-expert. `mint serve` fuses a per-expert directory back, so it reads both.
+ENGINE_EXPERT_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "vllm": {
+        "qwen2_moe": ("per-expert",),
+        "qwen3_moe": ("per-expert",),
+        "glm4_moe": ("per-expert",),
+        # is_3d_moe_weight = True (Qwen3_5MoeForConditionalGeneration, Qwen3VLMoeForConditionalGeneration,
+        # GptOssForCausalLM); Mint does not train these yet, and `split_experts` would refuse them anyway
+        "qwen3_5_moe": ("peft",),
+        "qwen3_vl_moe": ("peft",),
+        "gpt_oss": ("peft",),
+    },
+    "sglang": {"qwen2_moe": ("per-expert",), "qwen3_moe": ("per-expert",), "glm4_moe": ("per-expert",)},
+    "mint": {family: ("peft", "per-expert") for family in PER_EXPERT_FAMILIES},  # `mint serve`
+}
 
 
 @dataclass(frozen=True)
@@ -198,7 +222,7 @@ def split_experts(
     family = getattr(base_config, "model_type", "")
     experts = expert_loras(base_config, adapter_config)
     if experts and family not in PER_EXPERT_FAMILIES:
-        raise MintError(f"per-expert export knows the Qwen-MoE layout ({', '.join(PER_EXPERT_FAMILIES)}), not {family}")
+        raise MintError(f"per-expert export knows the layout of {', '.join(PER_EXPERT_FAMILIES)}, not {family}")
     out = dict(tensors)
     for ex in experts:
         a, b = out.pop(f"{ex.module}.lora_A.weight"), out.pop(f"{ex.module}.lora_B.weight")
@@ -260,24 +284,29 @@ def fuse_experts(per_expert: dict[str, torch.Tensor], adapter_config: dict, base
 # ---- engine directories (a rollout actor writes one per revision; `mint serve` reads both layouts) ----------------
 
 
-def engine_layout(requested: str, adapter_config: dict, base_config) -> str:
-    """The layout of the adapter directory an engine is handed: "peft" (as trained) or "per-expert".
+def engine_layout(requested: str, adapter_config: dict, base_config, engine: str = "vllm") -> str:
+    """The layout of the adapter directory `engine` ("vllm", "sglang" or "mint", the `mint serve` server) is handed:
+    "peft" (as trained) or "per-expert".
 
-    auto: per-expert when the adapter has LoRA on fused experts (`target_parameters`) of a family `split_experts`
-    knows, which is the layout vLLM and SGLang load expert LoRA in; peft otherwise (without expert LoRA both layouts
-    hold the same keys, and another family's per-expert names are unverified). An explicit per-expert request on a
-    family the split does not know is refused.
+    Without LoRA on fused experts both layouts hold the same keys: auto gives peft, and either request stands. With
+    it, auto gives what `ENGINE_EXPERT_LAYOUTS` says the engine reads for the base's family (peft for a family not in
+    the table: the trained layout, which `mint serve` reads), and an explicit layout that engine does not read, or a
+    per-expert request on a family `split_experts` does not know, is refused in one line.
     """
     if requested not in ENGINE_LAYOUTS:
         raise MintError(f"adapter layout {requested!r} is not one of {', '.join(ENGINE_LAYOUTS)}")
+    if engine not in ENGINE_EXPERT_LAYOUTS:
+        raise MintError(f"engine {engine!r} is not one of {', '.join(ENGINE_EXPERT_LAYOUTS)}")
+    if not expert_loras(base_config, adapter_config):
+        return "peft" if requested == "auto" else requested
     family = getattr(base_config, "model_type", "")
-    experts = expert_loras(base_config, adapter_config)
+    reads = ENGINE_EXPERT_LAYOUTS[engine].get(family)
     if requested == "auto":
-        return "per-expert" if experts and family in PER_EXPERT_FAMILIES else "peft"
-    if requested == "per-expert" and experts and family not in PER_EXPERT_FAMILIES:
-        raise MintError(
-            f"per-expert knows the Qwen-MoE layout ({', '.join(PER_EXPERT_FAMILIES)}), not {family}; use peft"
-        )
+        return reads[0] if reads else "peft"
+    if reads and requested not in reads:
+        raise MintError(f"{engine} reads {family} expert LoRA in the {' or '.join(reads)} layout, not {requested}")
+    if requested == "per-expert" and family not in PER_EXPERT_FAMILIES:
+        raise MintError(f"per-expert knows the layout of {', '.join(PER_EXPERT_FAMILIES)}, not {family}; use peft")
     return requested
 
 

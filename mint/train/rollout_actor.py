@@ -138,7 +138,7 @@ class RolloutActor:
         # metadata the split reads (a meta-device skeleton of the base, cached by mint.hub per process).
         self.base_config = model_config
         try:
-            self.adapter_layout = engine_layout(r.adapter_layout, self.adapter_config, model_config)
+            self.adapter_layout = engine_layout(r.adapter_layout, self.adapter_config, model_config, r.backend)
         except MintError as err:
             raise ConfigError(f"rollout.adapter_layout: {err}") from None
         return model_config.max_position_embeddings

@@ -1,0 +1,199 @@
+"""vLLM's own LoRA loader reads the adapter directories Mint writes for it, and holds exactly the trained factors.
+
+For each family Mint trains expert LoRA on (qwen3_moe; qwen2_moe, with LoRA on its shared expert too; glm4_moe, whose
+dense first layer and shared experts carry none) and a dense Qwen3 (attention and MLP LoRA), a tiny random base gets
+LoRA the way the learner builds it, with non-zero A and B, and the adapter is written in every layout. One subprocess
+in the engine virtualenv (tests/engine_scripts/vllm_lora_load.py) builds each base with vLLM's CPU model runner and
+its LoRA worker manager (the real model class, its packed-module and expert mappings) and loads the directories as
+/v1/load_lora_adapter does. Checked here:
+
+- the layout `engine_layout(..., engine="vllm")` picks loads, and every stacked LoRA buffer vLLM fills equals the
+  trained factor bit for bit (per expert and per projection, A and B; B carries the scale alpha / r = 2, which vLLM
+  folds in: a power of two, so the product is exact), and every buffer Mint did not train stays zero;
+- per expert, vLLM's B @ A equals the delta PEFT's own merge puts on the fused gate_up_proj / down_proj, so the names,
+  the expert order and the [gate; up] split are those of the model and not only of Mint's indexing;
+- every other layout is refused by vLLM and by `engine_layout`, in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_random_tiny, load_fp32
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from mint.config import LoraConfig
+from mint.errors import MintError
+from mint.hub.export import ENGINE_EXPERT_LAYOUTS, ENGINE_LAYOUTS, engine_layout, merged_model, write_adapter_dir
+from mint.hub.revisions import revision_id
+from mint.models.lora import adapter_config_dict, add_lora, load_lora_state, lora_state
+
+SCRIPT = Path(__file__).resolve().parent / "engine_scripts" / "vllm_lora_load.py"
+RANK = 8  # the adapter's r and vLLM's max_lora_rank, so the stacked buffers have exactly the trained shapes
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# family -> the recipe's lora.target_modules. The dense MLP and qwen2_moe's shared expert carry LoRA too, so vLLM's
+# packing of gate_proj/up_proj beside the routed experts is covered. GLM keeps attention only: on glm4_moe PEFT's
+# transformers-v5 conversion moves gate_proj/up_proj/down_proj targets onto the fused experts (gate_up_proj at rank 2r),
+# so its dense first layer and shared experts would get none anyway; vLLM must then hold none there.
+TARGETS = {"qwen3": ATTENTION + MLP, "qwen3_moe": ATTENTION, "qwen2_moe": ATTENTION + MLP, "glm4_moe": ATTENTION}
+MOE = ("qwen3_moe", "qwen2_moe", "glm4_moe")
+# vLLM packs q/k/v into qkv_proj and gate/up into gate_up_proj (slices in this order); other projections keep a name
+PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+PACKED |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+REFUSED_FUSED = "contains fused 3D MoE weights"  # vLLM's error for PEFT's fused layout on a 2-D MoE wrapper
+
+
+def _trained(base: str, family: str):
+    """The learner's model on `base` with A and B ~ N(0, 0.05^2) (seeded): PEFT starts B at zero."""
+    model = add_lora(load_fp32(base), LoraConfig(rank=RANK, alpha=2.0 * RANK, target_modules=TARGETS[family]), seed=0)
+    g = torch.Generator().manual_seed(7)
+    load_lora_state(model, {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in lora_state(model).items()})
+    return model
+
+
+@pytest.fixture(scope="module")
+def vllm_loads(engine_python, tmp_path_factory) -> dict:
+    """family -> {base, config, tensors, adapter_config, chosen: the layout `engine_layout` picks for vLLM, loaded:
+    {layout: vLLM's record of loading it}, vllm: its model class, is_3d_moe_weight and LoRA wrappers}: every family's
+    adapter in every layout, loaded by vLLM in one subprocess (importing vLLM alone takes ~10 s)."""
+    root = tmp_path_factory.mktemp("vllm_lora")
+    cases, argv = {}, []
+    for family in TARGETS:
+        base = build_random_tiny(family, str(root / f"{family}-base"))
+        model = _trained(base, family)
+        tensors = lora_state(model)
+        adapter_config = json.loads(json.dumps(adapter_config_dict(model, base)))
+        config = AutoConfig.from_pretrained(base)
+        chosen = engine_layout("auto", adapter_config, config, engine="vllm")
+        layouts, unwritten = {}, {}
+        for layout in ("peft", "per-expert"):
+            out = root / f"{family}-{layout}"
+            try:
+                write_adapter_dir(out, revision_id(tensors), tensors, adapter_config, {}, layout, config)
+            except MintError as err:  # a layout Mint cannot write is one vLLM never sees
+                unwritten[layout] = {"ok": False, "error": f"not written: {err}", "dump": None}
+                continue
+            layouts[layout] = str(out)
+            argv += [base, str(out)]
+        cases[family] = dict(base=base, config=config, tensors=tensors, adapter_config=adapter_config, chosen=chosen)
+        cases[family].update(dirs=layouts, unwritten=unwritten)
+    dumps = root / "dumps"
+    dumps.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the engine env imports its own packages only
+    proc = subprocess.run(
+        [str(engine_python), str(SCRIPT), str(dumps), str(RANK), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    report = json.loads(proc.stdout)
+    by_dir = {r["adapter"]: r for r in report["adapters"]}
+    for case in cases.values():
+        case["vllm"] = report["bases"][case["base"]]
+        case["loaded"] = {layout: by_dir[d] for layout, d in case["dirs"].items()} | case["unwritten"]
+    return cases
+
+
+def _expected(tensors: dict[str, torch.Tensor], config, scale: float) -> dict[str, torch.Tensor]:
+    """What vLLM's stacked buffers must hold (slot 0, under the script's `{module}.{buffer}.{slice}` names), from the
+    trained PEFT tensors: PEFT keeps expert e's A as rows [e*r, (e+1)*r) of the fused lora_A and its B as columns
+    e, e+E, ... of the fused lora_B; the fused expert parameter is experts.base_layer (gate_up_proj, out rows
+    [gate; up]) and experts (down_proj)."""
+    E = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
+    want = {}
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
+        b = tensors[key.replace(".lora_A.", ".lora_B.")] * scale
+        if module.endswith(".mlp.experts.base_layer") or module.endswith(".mlp.experts"):
+            prefix = module.removesuffix(".base_layer")
+            a_E = a.reshape(E, -1, a.shape[-1])  # (E, r, in)
+            b_E = b.reshape(b.shape[0], -1, E).permute(2, 0, 1)  # (E, out, r)
+            if module.endswith(".base_layer"):
+                inter = b_E.shape[1] // 2
+                want[f"{prefix}.w13_lora_a_stacked.0"] = want[f"{prefix}.w13_lora_a_stacked.1"] = a_E
+                want[f"{prefix}.w13_lora_b_stacked.0"] = b_E[:, :inter]
+                want[f"{prefix}.w13_lora_b_stacked.1"] = b_E[:, inter:]
+            else:
+                want[f"{prefix}.w2_lora_a_stacked.0"], want[f"{prefix}.w2_lora_b_stacked.0"] = a_E, b_E
+            continue
+        parent, name = module.rsplit(".", 1)
+        packed, i = PACKED.get(name, (name, 0))
+        want[f"{parent}.{packed}.lora_a_stacked.{i}"] = a[None]  # linear buffers: (1, r, in) / (1, out, r)
+        want[f"{parent}.{packed}.lora_b_stacked.{i}"] = b[None]
+    return want
+
+
+@pytest.mark.parametrize("family", list(TARGETS))
+def test_vllm_loads_the_layout_mint_writes_for_it_as_trained(vllm_loads, family):
+    case = vllm_loads[family]
+    record = case["loaded"][case["chosen"]]
+    assert record["ok"], f"vLLM refused the {case['chosen']} layout Mint writes for it: {record['error']}"
+    assert case["chosen"] == ("per-expert" if family in MOE else "peft")
+    if family in MOE:  # the 2-D MoE LoRA wrapper, which is why per-expert is the layout it reads
+        assert not case["vllm"]["is_3d_moe_weight"]
+        assert ENGINE_EXPERT_LAYOUTS["vllm"][family] == ("per-expert",)
+        experts = [m for m, cls in case["vllm"]["wrappers"].items() if m.endswith(".mlp.experts")]
+        assert experts and all(case["vllm"]["wrappers"][m] == "FusedMoEWithLoRA" for m in experts)
+    held = load_file(record["dump"])
+    scale = case["adapter_config"]["lora_alpha"] / case["adapter_config"]["r"]
+    want = _expected(case["tensors"], case["config"], scale)
+    assert set(want) <= set(held), f"vLLM has no buffer for {sorted(set(want) - set(held))[:4]}"
+    for key, value in want.items():
+        torch.testing.assert_close(held[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+    untrained = [k for k in set(held) - set(want) if held[k].any()]
+    assert not untrained, f"vLLM put LoRA on modules Mint did not train: {sorted(untrained)[:4]}"
+    if family in MOE:
+        _assert_expert_deltas_match_peft_merge(case, held)
+
+
+def _assert_expert_deltas_match_peft_merge(case: dict, held: dict[str, torch.Tensor]) -> None:
+    """Per expert, vLLM's B @ A (gate and up stacked as the fused rows, then down) equals the delta PEFT's merge puts
+    on the fused parameter of the transformers model: fp32 sums of r = 8 products of ~0.05^2 terms, off by rounding."""
+    base = dict(load_fp32(case["base"]).named_parameters())
+    merged = dict(merged_model(case["tensors"], case["adapter_config"], case["base"]).named_parameters())
+    prefixes = sorted({k.split(".w13_")[0] for k in held if ".w13_lora_a_stacked." in k})
+    assert prefixes
+    for prefix in prefixes:
+        gate = held[f"{prefix}.w13_lora_b_stacked.0"] @ held[f"{prefix}.w13_lora_a_stacked.0"]
+        up = held[f"{prefix}.w13_lora_b_stacked.1"] @ held[f"{prefix}.w13_lora_a_stacked.1"]
+        down = held[f"{prefix}.w2_lora_b_stacked.0"] @ held[f"{prefix}.w2_lora_a_stacked.0"]
+        for name, got in (("gate_up_proj", torch.cat([gate, up], dim=1)), ("down_proj", down)):
+            delta = merged[f"{prefix}.{name}"] - base[f"{prefix}.{name}"]
+            assert delta.abs().max() > 1e-3  # the LoRA moved the weights, so the comparison means something
+            torch.testing.assert_close(got, delta, rtol=0, atol=1e-6, msg=lambda m, n=f"{prefix}.{name}": f"{n}: {m}")
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_vllm_refuses_every_other_layout_and_so_does_engine_layout(vllm_loads, family):
+    """PEFT's fused expert layout on a model vLLM runs with the 2-D MoE LoRA wrapper: vLLM refuses it at load (without
+    --enable-mixed-moe-lora-format), so an explicit rollout.adapter_layout = peft is a one-line error up front."""
+    case = vllm_loads[family]
+    for layout in set(ENGINE_LAYOUTS) - {"auto", case["chosen"]}:
+        record = case["loaded"][layout]
+        assert not record["ok"] and REFUSED_FUSED in record["error"], record
+        with pytest.raises(MintError, match=f"vllm reads {family} expert LoRA in the per-expert layout") as err:
+            engine_layout(layout, case["adapter_config"], case["config"], engine="vllm")
+        assert "\n" not in str(err.value)
+
+
+def test_glm4_moe_expert_lora_was_written_fused_which_vllm_refuses(vllm_loads):
+    """GLM-4.5 expert LoRA under rollout.adapter_layout = auto was handed to vLLM in PEFT's fused layout (per-expert
+    was refused for GLM as unverified), and vLLM refused the load ("contains fused 3D MoE weights ... 2D MoE LoRA
+    wrapper"). auto now writes GLM per-expert, whose names (experts.{e}.gate_proj/up_proj/down_proj beside
+    shared_experts.*) vLLM's Glm4MoeForCausalLM packs into its experts, and vLLM loads it."""
+    case = vllm_loads["glm4_moe"]
+    assert case["vllm"]["model_class"] == "Glm4MoeForCausalLM" and not case["vllm"]["is_3d_moe_weight"]
+    assert not case["loaded"][case["chosen"]]["error"], case["loaded"][case["chosen"]]["error"]
+    assert case["chosen"] == "per-expert" and case["loaded"]["per-expert"]["ok"]
+    assert REFUSED_FUSED in case["loaded"]["peft"]["error"]
