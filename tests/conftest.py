@@ -179,3 +179,23 @@ def finish_rank(run_dir: str, rank: int, body) -> None:
             f.write(f"rank {rank}:\n{traceback.format_exc()}")
         code = 1
     os._exit(code)
+
+
+# ---- the real serving engines (`make engines`: vLLM's CPU build, and SGLang's wheel without its dependencies) ----
+
+ENGINE_ENV = Path(
+    os.environ.get("MINT_ENGINE_ENV", Path(__file__).resolve().parents[1] / ".engines" / "vllm")
+).absolute()
+
+
+@pytest.fixture(scope="session")
+def engine_python() -> Path:
+    """The Python of the engine virtualenv (`make engines`), which runs vLLM and SGLang's own code. `make test`
+    installs it first; under CI its absence is a failure, elsewhere the engine tests skip with the command to run."""
+    python = ENGINE_ENV / "bin" / "python"
+    if not python.exists():
+        message = f"no engine environment at {ENGINE_ENV}: `make engines` installs vLLM's CPU build there"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
