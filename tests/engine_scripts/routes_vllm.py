@@ -31,8 +31,6 @@ os.dup2(2, 1)
 
 import torch  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
-from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
-from vllm.distributed.parallel_state import destroy_model_parallel, model_parallel_is_initialized  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.model_executor.layers.fused_moe.layer import MoERunner  # noqa: E402
@@ -40,39 +38,26 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (  # no
     RoutedExpertsCapturer,
     bind_routed_experts_capturer,
 )
-from vllm.utils.network_utils import get_open_port  # noqa: E402
 from vllm.utils.serial_utils import numpy2base64  # noqa: E402
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
+from vllm_cpu_runner import cpu_model_runner  # noqa: E402
 
 MAX_TOKENS = 64
 
 
 def encode(model_dir: str, ids_S_M_K: torch.Tensor) -> dict:
-    config = EngineArgs(
-        model=model_dir,
-        dtype="float32",
-        load_format="dummy",
-        enforce_eager=True,
-        max_model_len=MAX_TOKENS,
-        max_num_seqs=1,
-        max_num_batched_tokens=MAX_TOKENS,
-        skip_tokenizer_init=True,
-    ).create_engine_config()
+    config, runner = cpu_model_runner(
+        EngineArgs(
+            model=model_dir,
+            dtype="float32",
+            load_format="dummy",
+            enforce_eager=True,
+            max_model_len=MAX_TOKENS,
+            max_num_seqs=1,
+            max_num_batched_tokens=MAX_TOKENS,
+            skip_tokenizer_init=True,
+        )
+    )
     with set_current_vllm_config(config):
-        # one gloo world of one rank for the process; the model-parallel groups per model, as its config makes them
-        if model_parallel_is_initialized():
-            destroy_model_parallel()
-        else:
-            init_distributed_environment(
-                world_size=1,
-                rank=0,
-                local_rank=0,
-                distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}",
-                backend="gloo",
-            )
-        initialize_model_parallel(1, 1)
-        runner = CPUModelRunner(config, torch.device("cpu"))
-        runner.load_model()
         model = runner.model
         capturer = RoutedExpertsCapturer(max_num_batched_tokens=MAX_TOKENS, vllm_config=config)
         bind_routed_experts_capturer(model, capturer)

@@ -24,16 +24,13 @@ import sys
 _stdout = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 
-import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
-from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
-from vllm.distributed.parallel_state import destroy_model_parallel, model_parallel_is_initialized  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.lora.layers import BaseLayerWithLoRA  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.utils.network_utils import get_open_port  # noqa: E402
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # noqa: E402
+from vllm_cpu_runner import cpu_model_runner  # noqa: E402
 
 BUFFERS = (
     "lora_a_stacked",
@@ -58,24 +55,7 @@ def runner_for(base: str, rank: int) -> CPUModelRunner:
         max_num_batched_tokens=64,
         skip_tokenizer_init=True,
     )
-    config = args.create_engine_config()
-    with set_current_vllm_config(config):
-        # One gloo world of one rank for the process; the model-parallel groups per base, as its config makes them
-        # (an expert-parallel group only for a MoE config).
-        if model_parallel_is_initialized():
-            destroy_model_parallel()
-        else:
-            init_distributed_environment(
-                world_size=1,
-                rank=0,
-                local_rank=0,
-                distributed_init_method=f"tcp://127.0.0.1:{get_open_port()}",
-                backend="gloo",
-            )
-        initialize_model_parallel(1, 1)
-        runner = CPUModelRunner(config, torch.device("cpu"))
-        runner.load_model()
-    return runner
+    return cpu_model_runner(args)[1]
 
 
 def dump(runner: CPUModelRunner, path: str) -> None:
