@@ -21,10 +21,3 @@ def token_logprobs(logits_T_V: torch.Tensor, targets_T: torch.Tensor, temperatur
         logits = logits / temperature
     picked = logits.gather(-1, targets_T.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
-
-
-def token_entropy(logits_T_V: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of softmax(logits / T) per position, in nats, fp32. logits_T_V: [..., V] -> [...]."""
-    logits = logits_T_V.float() / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)

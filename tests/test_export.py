@@ -79,13 +79,13 @@ def _flip(path: Path) -> None:
 
 
 def test_peft_exports_are_independent_copies(tmp_path):
-    """Issue 10: `<run>/adapters/step_N` was a hard link to the catalog's file, so one flipped byte corrupted both.
-    `link=True` (what the trainer passes) now copies too."""
+    """`<run>/adapters/step_N` was once a hard link to the catalog's file, so one flipped byte corrupted both: every
+    export is a copy."""
     cat = Catalog(tmp_path / "catalog")
     g = torch.Generator().manual_seed(0)
     tensors = {"x.lora_A.weight": torch.randn(2, 3, generator=g), "x.lora_B.weight": torch.randn(3, 2, generator=g)}
     rid = cat.put(tensors, {"r": 2, "lora_alpha": 4.0}, run="t", step=1).id
-    a, b = export_peft(cat, rid, tmp_path / "a", link=True), export_peft(cat, rid, tmp_path / "b")
+    a, b = export_peft(cat, rid, tmp_path / "a"), export_peft(cat, rid, tmp_path / "b")
     catalog_file = cat.revision_dir(rid) / ADAPTER_FILE
     assert (a / ADAPTER_FILE).stat().st_ino != catalog_file.stat().st_ino and catalog_file.stat().st_nlink == 1
 

@@ -150,14 +150,11 @@ def check_base(meta: RevisionMeta, base_path: str) -> None:
 # ---- peft ---------------------------------------------------------------------------------------------------------
 
 
-def export_peft(catalog: Catalog, ref: str, out: str | Path, base: str | None = None, link: bool = False) -> Path:
-    """Write the revision as a PEFT adapter directory: an independent copy of the bytes whose hash was just checked.
-    `base` overrides base_model_name_or_path.
-
-    `link` is accepted and ignored. It used to hard-link the tensors file to the catalog's, which made one corrupt byte
-    corrupt both copies (read-only modes do not stop root); an export now never shares a file with the catalog.
+def export_peft(catalog: Catalog, ref: str, out: str | Path, base: str | None = None) -> Path:
+    """Write the revision as a PEFT adapter directory: an independent copy of the bytes whose hash was just checked
+    (never a link to the catalog's file: one corrupt byte would then corrupt both, and read-only modes do not stop
+    root). `base` overrides base_model_name_or_path.
     """
-    del link
     data, meta = catalog.adapter_bytes(ref)  # verifies the hash before anything is written
     config = dict(meta.lora_config)
     if base is not None:

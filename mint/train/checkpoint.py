@@ -57,10 +57,6 @@ def checkpoints_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def step_dir(run_dir: Path, step: int) -> Path:
-    return checkpoints_dir(run_dir) / f"step_{step:06d}"
-
-
 def latest(run_dir: Path) -> Path | None:
     """The newest complete checkpoint of a run, or None."""
     root = checkpoints_dir(run_dir)

@@ -265,10 +265,10 @@ def submit_sync(cluster: Cluster, data_ref) -> list:
     return [actor.sync_adapter.remote(data_ref) for actor in cluster.rollouts]
 
 
-def finish_sync(cluster: Cluster, futures: list, data_ref, count_restarts: bool = True) -> tuple[str, float]:
+def finish_sync(cluster: Cluster, futures: list, data_ref) -> tuple[str, float]:
     """Wait for `submit_sync`'s calls: (revision id, the slowest actor's own seconds). Every actor must have hashed
-    the bytes to the same id; one that died is loaded again, by that id, once Ray has restarted it. count_restarts
-    asks every actor's pid afterwards (it waits behind rollouts queued since: off for the overlapped loop)."""
+    the bytes to the same id; one that died is loaded again, by that id, once Ray has restarted it. Then every
+    actor's pid is asked, to count restarts."""
     ids, seconds, dead, revived = [], [], [], False
     for i, future in enumerate(futures):
         try:
@@ -290,8 +290,7 @@ def finish_sync(cluster: Cluster, futures: list, data_ref, count_restarts: bool 
     cluster.revision = (ids[0], data_ref)
     for i in dead:
         _reload(cluster, i, ids[0], data_ref)
-    if count_restarts:
-        _count_restarts(cluster)
+    _count_restarts(cluster)
     return ids[0], max(seconds)
 
 
@@ -321,11 +320,6 @@ def _reload(cluster: Cluster, i: int, rev_id: str, data_ref) -> None:
                 place = cluster.where.get(f"rollout actor {i}", "")
                 raise MintError(f"rollout actor {i} {place} died and did not come back".replace("  ", " ")) from err
             time.sleep(1.0)
-
-
-def rollout(cluster: Cluster, examples: list, seed: int, rev_id: str, data_ref) -> list:
-    """Sample one step's prompts with revision `rev_id` and wait for them (submit_rollout, then collect_rollout)."""
-    return collect_rollout(cluster, submit_rollout(cluster, examples, seed, rev_id, data_ref))
 
 
 # ---- rollouts in flight: how the overlapped loop (rollout.max_staleness) submits ahead and collects later ----------

@@ -4,7 +4,7 @@ Weight sync *is* revision publish: each step's LoRA tensors become a revision in
 default, with lineage and the step's rollout records), and every `save_every` steps are also exported to
 <run>/adapters as a PEFT adapter directory. The rollout actors take the bytes straight from learner rank 0's object
 store (no driver hop); the driver checks them for NaN/inf and hashes them, and a CatalogWriter writes the catalog copy
-while the learner trains on the next step. `Revision.sync_s` times the sync (docs/rollout.md).
+while the learner trains on the next step. The driver's `sync_s` metric times the sync (docs/rollout.md).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ class Revision:
     step: int
     ref: object = field(repr=False)  # its safetensors bytes in the object store (learner rank 0's result): reloads
     parent: str | None = None
-    sync_s: float = 0.0  # seconds from asking the learner for its state to every rollout actor serving it
 
 
 @functools.lru_cache(maxsize=8)
@@ -128,7 +127,6 @@ def publish(
     # Direct sync (the default `load`): the actors fetch rank 0's bytes from the learner's object store and hash
     # them once while the driver fetches its own copy for the catalog; the ids must agree.
     direct = load is load_revision
-    t0 = time.perf_counter()
     refs = refs or request_state(cluster)
     syncs = submit_sync(cluster, refs[0]) if direct else None
     data = gather(refs, cluster, "publish")[0]
@@ -146,12 +144,10 @@ def publish(
         if synced != rid:
             raise MintError(f"weight sync: the rollout actors hold {synced[:12]}, the learner's bytes are {rid[:12]}")
     if parent is not None and rid == parent.id:
-        parent.sync_s = time.perf_counter() - t0
         return parent
     rev = Revision(rid, step, refs[0], parent.id if parent is not None else None)
     if not direct:
         load(cluster, rid, refs[0])
-    rev.sync_s = time.perf_counter() - t0
     return rev
 
 
