@@ -250,20 +250,32 @@ class SequenceRoutes:
     usable; the others keep native routing.
     """
 
-    prompt_routes_S_L_K: torch.Tensor  # [P-1, L, k]
+    prompt_routes_S_L_K: torch.Tensor  # [P-1, L, k] any integer dtype (GroupRoutes stores the id dtype)
     prompt_ok_S: torch.Tensor  # [P-1] bool
-    responses: list[tuple[torch.Tensor, torch.Tensor]]  # G x ([R_i, L, k], [R_i] bool)
+    responses: list[tuple[torch.Tensor, torch.Tensor]]  # G x ([R_i, L, k], [R_i] bool), views, never copies
     current: int = 0
     replay: RouteReplay | None = None  # set by the engine while it replays; .native() reads the latest forward
 
     def window(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(routes [n, L, k], ok [n]) for positions start .. start + n - 1."""
+        """(routes [n, L, k] int64, ok [n]) for positions start .. start + n - 1 of response `current`.
+
+        Called before every forward, so it touches only the window: a slice of the prompt rows, of the response's
+        rows, or both joined over the window. Joining the whole prompt per call cost O(P) per forward (a 16k
+        prompt's ids widened to int64 are 50 MB, rebuilt for every chunk).
+        """
         routes_R_L_K, ok_R = self.responses[self.current]
-        routes = torch.cat([self.prompt_routes_S_L_K.long(), routes_R_L_K.long()])
-        ok = torch.cat([self.prompt_ok_S, ok_R])
-        if start + n > len(routes):
-            raise LongStrawError(f"routes cover {len(routes)} positions, a forward asked for {start}..{start + n - 1}")
-        return routes[start : start + n], ok[start : start + n]
+        p1 = self.prompt_routes_S_L_K.shape[0]
+        end = start + n
+        if start < 0 or end > p1 + len(routes_R_L_K):
+            total = p1 + len(routes_R_L_K)
+            raise LongStrawError(f"routes cover {total} positions, a forward asked for {start}..{end - 1}")
+        head, tail = slice(min(start, p1), min(end, p1)), slice(max(start, p1) - p1, max(end, p1) - p1)
+        if tail.start == tail.stop:
+            return self.prompt_routes_S_L_K[head].long(), self.prompt_ok_S[head]
+        if head.start == head.stop:
+            return routes_R_L_K[tail].long(), ok_R[tail]
+        routes = torch.cat([self.prompt_routes_S_L_K[head].long(), routes_R_L_K[tail].long()])
+        return routes, torch.cat([self.prompt_ok_S[head], ok_R[tail]])
 
 
 @dataclass(frozen=True)
@@ -313,25 +325,62 @@ def route_status(
     count the rollout engine declared, when it did. Never raises on a bad payload: bad payloads are counted.
     """
     status_N = torch.zeros(num_tokens, dtype=torch.long)
-    code = {reason: i + 1 for i, reason in enumerate(ROUTE_REASONS)}
-    if routes_N_L_K is None or routes_N_L_K.dim() != 3 or routes_N_L_K.shape[0] != num_tokens:
-        return status_N.fill_(code["route_missing"])
-    if routes_N_L_K.shape[1] != layout.num_layers:
-        return status_N.fill_(code["route_layers"])
-    integer = not (routes_N_L_K.is_floating_point() or routes_N_L_K.is_complex() or routes_N_L_K.dtype == torch.bool)
-    if (
-        routes_N_L_K.shape[2] != layout.top_k
-        or not integer
-        or (recorded_experts is not None and recorded_experts != layout.num_experts)
-    ):
-        return status_N.fill_(code["route_layout"])
+    rows = routes_N_L_K.shape[0] if routes_N_L_K is not None and routes_N_L_K.dim() > 0 else -1
+    reason = _whole_reason(routes_N_L_K, rows, num_tokens, layout, recorded_experts)
+    if reason is not None:
+        return status_N.fill_(_CODE[reason])
+    return _row_status(routes_N_L_K, layout.num_experts)
+
+
+_CODE = {reason: i + 1 for i, reason in enumerate(ROUTE_REASONS)}
+
+
+def _whole_reason(
+    probe: torch.Tensor | None, rows: int, num_tokens: int, layout: ExpertLayout, recorded_experts: int | None = None
+) -> str | None:
+    """The reason a whole record fails, or None. `probe` has the record's rank, trailing shape and dtype (the
+    record itself, or a few rows of it); `rows` is the record's length."""
+    if probe is None or probe.dim() != 3 or rows != num_tokens:
+        return "route_missing"
+    if probe.shape[1] != layout.num_layers:
+        return "route_layers"
+    integer = not (probe.is_floating_point() or probe.is_complex() or probe.dtype == torch.bool)
+    if probe.shape[2] != layout.top_k or not integer or recorded_experts not in (None, layout.num_experts):
+        return "route_layout"
+    return None
+
+
+def _row_status(routes_N_L_K: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Per-row status (0, route_out_of_range or route_duplicate) of a record that passed `_whole_reason`."""
+    status_N = torch.zeros(routes_N_L_K.shape[0], dtype=torch.long)
     ids = routes_N_L_K.long()
-    out_of_range_N = ((ids < 0) | (ids >= layout.num_experts)).flatten(1).any(1)
+    out_of_range_N = ((ids < 0) | (ids >= num_experts)).flatten(1).any(1)
     sorted_ids = ids.sort(dim=-1).values
     duplicate_N = (sorted_ids[..., 1:] == sorted_ids[..., :-1]).flatten(1).any(1)
-    status_N[duplicate_N] = code["route_duplicate"]
-    status_N[out_of_range_N] = code["route_out_of_range"]
+    status_N[duplicate_N] = _CODE["route_duplicate"]
+    status_N[out_of_range_N] = _CODE["route_out_of_range"]
     return status_N
+
+
+def _id_dtype(layout: ExpertLayout) -> torch.dtype:
+    """The smallest integer dtype that holds every expert id: the rollout's route_dtype (uint8 up to 256 experts,
+    int16 above) while int16 holds it, int32 past 32768 experts."""
+    return layout.route_dtype if layout.num_experts <= 2**15 else torch.int32
+
+
+def _record_reason(prompt, recorded, p1: int, n: int, layout: ExpertLayout) -> str | None:
+    """`route_status`'s whole-record reason for prompt [P-1, L, k] + recorded [R, L, k] joined, without joining them.
+
+    Only the first row of each is joined: torch.cat's rank, shape and dtype-promotion rules (a float response makes
+    the whole record float) give the same verdict on one row as on all. A pair that does not join, or whose prompt
+    and response lengths are not P-1 and R (a shifted record), is missing, never a crash.
+    """
+    try:
+        probe = torch.cat([prompt[:1], recorded[:1]])
+        aligned = prompt.shape[0] == p1 and recorded.shape[0] == n
+    except (RuntimeError, TypeError, IndexError, AttributeError):
+        return "route_missing"
+    return _whole_reason(probe, p1 + n if aligned else -1, p1 + n, layout)
 
 
 @dataclass
@@ -342,16 +391,24 @@ class GroupRoutes:
     (`prompt_routes_P1_L_K`) and, per response, one row per generated token (row j = the forward at position P-1+j
     that produced token j). A response's sequence is prompt + response[:-1], so it has P-1+R_i positions.
 
-    Two views of the same routes:
+    Storage: the prompt's rows once and each response's rows once (back to back in one [N = sum R_i, L, k] buffer),
+    in the smallest integer dtype that holds the expert ids; rows that are not ok are zeros. P=16384, L=48, k=8,
+    G=8, R=256: 7.1 MB held, where G int64 copies of prompt + response were 409 MB (docs/mismatch.md).
+
+    Two views of the same routes, built per call:
       padded()      the naive step's one [G, S] batch (S = P + R_max - 1, rows right-padded), flattened to [G*S]
-      sequence()    LongStraw's piecewise forwards: prompt rows once, then response i's rows by position
+      sequence()    LongStraw's piecewise forwards: prompt rows once, then response i's rows by position; its
+                    window(start, n) widens only the window to int64
     status_G gives every response token's route status (0 = mappable, see ROUTE_REASONS); a token whose status is
     not 0 keeps native routing and is excluded by the trust mask.
     """
 
     status_G: list[torch.Tensor]  # G x int64 [R_i]
-    routes_G_S_L_K: torch.Tensor  # int64; rows with ok False are zeros
-    ok_G_S: torch.Tensor  # bool: position replays its recorded route
+    prompt_routes_P1_L_K: torch.Tensor  # [P-1, L, k] id dtype; zeros where prompt_ok_P1 is False
+    prompt_ok_P1: torch.Tensor  # bool [P-1]: the prompt position replays (some response's record is usable)
+    routes_N_L_K: torch.Tensor  # [N = sum R_i, L, k] id dtype, response i at rows offset_i .. offset_i + R_i - 1
+    ok_N: torch.Tensor  # bool [N]
+    usable_G: list[bool]  # response i's whole record passed (R3 on): its padded row replays the prompt rows too
     num_prompt: int
     lengths: list[int]
 
@@ -365,38 +422,70 @@ class GroupRoutes:
         layout: ExpertLayout,
         replay: bool,
     ) -> GroupRoutes:
-        """Check each response's record against `layout` and lay the usable ones out by position.
+        """Check each response's record (prompt + response, as one) against `layout` and store the usable rows.
 
         replay=False (R3 off) still computes the statuses (for the out-of-route measurement) but marks nothing ok,
         so every router runs natively. A payload that does not even concatenate counts as missing, never a crash.
+        The prompt's per-row checks run once, not once per response: its rows are the same in every record.
         """
-        seq_len = num_prompt + max(lengths) - 1
-        routes_G_S_L_K = torch.zeros(len(lengths), seq_len, layout.num_layers, layout.top_k, dtype=torch.long)
-        ok_G_S = torch.zeros(len(lengths), seq_len, dtype=torch.bool)
-        statuses = []
+        p1, dtype = num_prompt - 1, _id_dtype(layout)
+        shape_L_K = (layout.num_layers, layout.top_k)
+        prompt_S_L_K = torch.zeros(p1, *shape_L_K, dtype=dtype)
+        routes_N_L_K = torch.zeros(sum(lengths), *shape_L_K, dtype=dtype)
+        ok_N = torch.zeros(sum(lengths), dtype=torch.bool)
+        prompt_status_S, statuses, usable_G, offset = None, [], [], 0
         for i, n in enumerate(lengths):
             recorded = routes_G[i] if routes_G is not None else None
-            full = None
-            if prompt_routes_P1_L_K is not None and recorded is not None:
-                try:
-                    full = torch.cat([prompt_routes_P1_L_K, recorded])
-                except (RuntimeError, TypeError):
-                    full = None
-            status_S = route_status(full, num_prompt - 1 + n, layout)
-            statuses.append(status_S[num_prompt - 1 :])
-            if replay and full is not None:
-                ok = status_S == 0
-                routes_G_S_L_K[i, : len(ok)][ok] = full[ok].long()
-                ok_G_S[i, : len(ok)] = ok
-        return cls(statuses, routes_G_S_L_K, ok_G_S, num_prompt, list(lengths))
+            reason = _record_reason(prompt_routes_P1_L_K, recorded, p1, n, layout)
+            if reason is not None:
+                statuses.append(torch.full((n,), _CODE[reason], dtype=torch.long))
+            else:
+                if prompt_status_S is None:  # reshape: a 1-D empty prompt (P=1) joins as no rows
+                    prompt_status_S = _row_status(prompt_routes_P1_L_K.reshape(p1, *shape_L_K), layout.num_experts)
+                statuses.append(_row_status(recorded, layout.num_experts))
+            usable_G.append(replay and reason is None)
+            if usable_G[-1]:
+                ok_R = statuses[-1] == 0
+                routes_N_L_K[offset : offset + n][ok_R] = recorded[ok_R].to(dtype)
+                ok_N[offset : offset + n] = ok_R
+            offset += n
+        prompt_ok_S = torch.zeros(p1, dtype=torch.bool)
+        if any(usable_G):
+            prompt_ok_S = prompt_status_S == 0
+            prompt_S_L_K[prompt_ok_S] = prompt_routes_P1_L_K.reshape(p1, *shape_L_K)[prompt_ok_S].to(dtype)
+        return cls(statuses, prompt_S_L_K, prompt_ok_S, routes_N_L_K, ok_N, usable_G, num_prompt, list(lengths))
 
     @property
     def seq_len(self) -> int:
-        return self.routes_G_S_L_K.shape[1]
+        return self.num_prompt + max(self.lengths) - 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor held: routes, ok masks, statuses."""
+        held = [self.prompt_routes_P1_L_K, self.prompt_ok_P1, self.routes_N_L_K, self.ok_N, *self.status_G]
+        return sum(t.nbytes for t in held)
+
+    def _responses(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """G x (routes [R_i, L, k], ok [R_i]): views of the one buffer."""
+        bounds = list(itertools.accumulate(self.lengths, initial=0))
+        return [(self.routes_N_L_K[a:b], self.ok_N[a:b]) for a, b in itertools.pairwise(bounds)]
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(routes_T_L_K, ok_T) for the padded [G, S] batch flattened row-major, as RouteReplay.set takes them."""
-        return self.routes_G_S_L_K.flatten(0, 1), self.ok_G_S.flatten()
+        """(routes_T_L_K int64, ok_T) for the padded [G, S] batch flattened row-major, as RouteReplay.set takes them.
+
+        Built per call: the naive step feeds G x S tokens in one forward anyway, so [G*S] ids are the size of its
+        input. A response whose record is unusable has zeros (not ok) in its prompt rows too.
+        """
+        p1, num_rows = self.num_prompt - 1, len(self.lengths)
+        routes_G_S_L_K = torch.zeros(num_rows, self.seq_len, *self.routes_N_L_K.shape[1:], dtype=torch.long)
+        ok_G_S = torch.zeros(num_rows, self.seq_len, dtype=torch.bool)
+        for i, (routes_R_L_K, ok_R) in enumerate(self._responses()):
+            if self.usable_G[i]:
+                routes_G_S_L_K[i, :p1] = self.prompt_routes_P1_L_K
+                ok_G_S[i, :p1] = self.prompt_ok_P1
+            routes_G_S_L_K[i, p1 : p1 + len(ok_R)] = routes_R_L_K
+            ok_G_S[i, p1 : p1 + len(ok_R)] = ok_R
+        return routes_G_S_L_K.flatten(0, 1), ok_G_S.flatten()
 
     def response_rows(self, rows_T_L_K: torch.Tensor, i: int) -> torch.Tensor:
         """Response i's producing positions (P-1 .. P+R_i-2) out of a padded [G*S] flattening (e.g. native routes)."""
@@ -404,12 +493,8 @@ class GroupRoutes:
         return rows_T_L_K[first : first + self.lengths[i]]
 
     def sequence(self) -> SequenceRoutes:
-        """The same routes by absolute position for LongStraw's capture, replays and prompt backward."""
-        p1 = self.num_prompt - 1
-        responses = [
-            (self.routes_G_S_L_K[i, p1 : p1 + n], self.ok_G_S[i, p1 : p1 + n]) for i, n in enumerate(self.lengths)
-        ]
-        # Prompt rows are identical in every row whose record is usable; take them from the first such row.
-        prompt_ok_G_S = self.ok_G_S[:, :p1]
-        source = int(prompt_ok_G_S.any(1).float().argmax())
-        return SequenceRoutes(self.routes_G_S_L_K[source, :p1], prompt_ok_G_S[source], responses)
+        """The same routes by absolute position for LongStraw's capture, replays and prompt backward; no copies.
+
+        The prompt rows replay wherever some response's record is usable (they are the same rows in every record).
+        """
+        return SequenceRoutes(self.prompt_routes_P1_L_K, self.prompt_ok_P1, self._responses())
