@@ -5,12 +5,13 @@ with one line that names the dotted key (and the closest valid key when there is
 exits with code 2. Nothing rewrites a config in place: derived values come from pure functions.
 
     schema.py   the sections and their knobs (Config, RESULT_NEUTRAL)
-    load.py     load_config / build_config, range and consistency checks, derived values (run_dir, norm_constant)
+    load.py     load_config / build_config, range checks, derived values (run_dir, norm_constant)
+    rules.py    every rule that involves more than one key
     doc.py      docs/configuration.md (`python -m mint.config`)
 """
 
 from mint.config.doc import config_markdown
-from mint.config.load import build_config, check_consistency, load_config, norm_constant, run_dir
+from mint.config.load import build_config, load_config, norm_constant, run_dir
 from mint.config.schema import (
     RESULT_NEUTRAL,
     SECTIONS,
@@ -51,7 +52,6 @@ __all__ = [
     "RolloutConfig",
     "all_keys",
     "build_config",
-    "check_consistency",
     "config_markdown",
     "knob",
     "load_config",

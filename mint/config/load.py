@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 import sys
 import typing
 from pathlib import Path
 from typing import Any
 
+from mint.config.rules import recipe_rules
 from mint.config.schema import SECTIONS, Config, all_keys
 from mint.errors import ConfigError
 
@@ -98,41 +98,12 @@ def build_config(tree: dict[str, Any], overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{key}: unknown key{_closest(key, all_keys())}")
         merged.setdefault(section, {})[name] = _override_value(key, raw) if name in _field_names(section) else raw
     config = Config(**{s: _build_section(s, SECTIONS[s], merged.get(s, {})) for s in SECTIONS})
-    check_consistency(config)
+    recipe_rules(config)
     return config
 
 
 def _field_names(section: str) -> set[str]:
     return {f.name for f in dataclasses.fields(SECTIONS[section])}
-
-
-def check_consistency(config: Config) -> None:
-    """Rules that involve more than one key, and the run directory's name (it must stay inside logging.root)."""
-    name = config.logging.name
-    if name in (".", "..") or not re.fullmatch(r"[\w.-]+", name, re.ASCII):
-        raise ConfigError(f"logging.name: {name!r} is not a plain folder name (letters, digits, '.', '_', '-')")
-    if not config.logging.root.strip():
-        raise ConfigError("logging.root: is empty; give the folder that holds run directories (default: runs)")
-    if config.learner.engine == "longstraw" and config.learner.zero_stage == 3:
-        raise ConfigError(
-            "learner.engine: longstraw runs the model piecewise and needs whole weights on each rank; "
-            "use learner.zero_stage = 1 or learner.engine = naive"
-        )
-    if config.learner.engine == "longstraw" and config.learner.zero_stage == 2 and config.learner.num_ranks > 1:
-        # ZeRO-2 reduces gradients inside every backward call; LongStraw makes one call per response and per prompt
-        # chunk, so ranks whose prompts differ in length issue different collectives (gloo aborts, NCCL hangs).
-        # Stage 1 reduces once, at the accumulation boundary. Issue 9.
-        raise ConfigError(
-            "learner.zero_stage: 2 reduces inside every backward and LongStraw runs one per response and prompt "
-            "chunk, so ranks would disagree; use learner.zero_stage = 1 (LoRA gradients are small)"
-        )
-    if config.ray.learner_gpus == 0 and config.model.dtype == "float16":
-        raise ConfigError("model.dtype: float16 needs a GPU learner (ray.learner_gpus > 0); use float32 or bfloat16")
-    if config.model.dtype == "float16" and config.learner.zero_stage == 0:
-        # DeepSpeed 0.19's stage-0 fp16 optimizer is not scaled inside engine.backward (only ZeRO optimizers are),
-        # so fp16 gradients would run unscaled and underflow; stages 1-2 scale, and LongStraw's exact mode
-        # accounts for that scale (mint.train.inner_step.StepContext.backward).
-        raise ConfigError("model.dtype: float16 needs learner.zero_stage >= 1 (loss scaling); or use bfloat16")
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:

@@ -167,38 +167,9 @@ class RolloutConfig:
     )
 
     def __post_init__(self):
-        from mint.errors import ConfigError
+        from mint.config.rules import rollout_rules
 
-        if self.engines and self.backend == "builtin":
-            raise ConfigError("rollout.engines: engine servers need rollout.backend = vllm or sglang")
-        if self.engines and self.urls:
-            raise ConfigError(
-                "rollout.engines: set rollout.engines (servers the run starts) or rollout.urls (servers that "
-                "already run), not both"
-            )
-        if self.backend != "builtin" and not self.urls and not self.engines:
-            raise ConfigError(
-                f"rollout.urls: rollout.backend = {self.backend} needs the engine servers' URLs "
-                '(rollout.urls = ["http://host:port"]), or rollout.engines = N to start them; or use '
-                "rollout.backend = builtin"
-            )
-        n_engines = self.engines or len(self.urls)
-        if self.backend != "builtin" and self.num_actors > n_engines:
-            raise ConfigError(
-                f"rollout.num_actors: {self.num_actors} actors for {n_engines} engine(s); each actor fronts at "
-                "least one engine, so use rollout.num_actors <= len(rollout.urls) or rollout.engines"
-            )
-        fill = dict.fromkeys(ENGINE_PLACEHOLDERS, "")
-        try:
-            self.engine_command.format(**fill)
-        except (KeyError, IndexError, ValueError) as err:
-            names = "{" + "}, {".join(fill) + "}"
-            raise ConfigError(
-                f"rollout.engine_command: bad placeholder ({err}); use {names}; a literal brace is {{{{"
-            ) from None
-        for url in self.urls:
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"rollout.urls: {url!r} is not an http:// or https:// URL")
+        rollout_rules(self)
 
 
 @dataclass(frozen=True)
@@ -271,21 +242,9 @@ class LearnerConfig:
     )
 
     def __post_init__(self):
-        from mint.errors import ConfigError
+        from mint.config.rules import learner_rules
 
-        ep = self.expert_parallel
-        if ep > 1 and self.num_ranks % ep:
-            raise ConfigError(
-                f"learner.expert_parallel: {ep} does not divide learner.num_ranks = {self.num_ranks}; "
-                "use a divisor of it (1 turns expert parallel off)"
-            )
-        if ep > 1 and self.zero_stage != 1:
-            # Stage 0 clips by the mean of the ranks' norms (each rank sees only its experts'); stage 3 partitions
-            # the base, which DeepSpeed refuses with expert-parallel parameters; stage 2 is untested with them.
-            raise ConfigError(
-                f"learner.expert_parallel: {ep} needs learner.zero_stage = 1 (got {self.zero_stage}): only ZeRO-1 "
-                "reduces and clips expert-parallel LoRA gradients correctly"
-            )
+        learner_rules(self)
 
 
 @dataclass(frozen=True)
@@ -440,25 +399,9 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
-        from mint.errors import ConfigError
+        from mint.config.rules import section_rules
 
-        cp, ranks, ep = self.longstraw.context_parallel, self.learner.num_ranks, self.learner.expert_parallel
-        if cp == 1:
-            return
-        if ranks % (cp * ep):
-            with_ep = f" x learner.expert_parallel {ep} = {ep * cp}" if ep > 1 else ""
-            raise ConfigError(
-                f"longstraw.context_parallel: {cp}{with_ep} does not divide learner.num_ranks = {ranks}; "
-                "use a divisor of it (1 turns context parallel off)"
-            )
-        if self.learner.engine != "longstraw" or self.longstraw.mode == "resident":
-            what = f"learner.engine = {self.learner.engine}"
-            if self.learner.engine == "longstraw":
-                what = "longstraw.mode = resident"
-            raise ConfigError(
-                f"longstraw.context_parallel: {cp} needs learner.engine = longstraw in exact or detached mode "
-                f"(got {what})"
-            )
+        section_rules(self)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

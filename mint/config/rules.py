@@ -1,0 +1,128 @@
+"""Every rule that involves more than one key, in one place.
+
+Three kinds, by when they run:
+
+- section rules (`rollout_rules`, `learner_rules`) run whenever the section is built (its `__post_init__`), so no
+  code path holds an inconsistent section;
+- `section_rules` runs whenever a whole Config is built: rules across sections (context parallel against the
+  learner's ranks and inner step);
+- `recipe_rules` runs when a recipe is loaded (`build_config`): rules about what a run may be asked for (the run
+  directory's name, ZeRO stages with LongStraw, float16), which tests may step around by building a Config by hand
+  (the fp16 loss-scale test runs DeepSpeed's fp16 optimizer on a CPU learner, which no recipe may ask for).
+
+Each raises a one-line ConfigError naming the key to change.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from mint.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mint.config.schema import Config, LearnerConfig, RolloutConfig
+
+
+def rollout_rules(r: RolloutConfig) -> None:
+    """Engines: started by the run or listed, not both; an HTTP backend needs one or the other; each rollout actor
+    fronts at least one engine; the launch template's placeholders are known; the URLs are http(s)."""
+    from mint.config.schema import ENGINE_PLACEHOLDERS
+
+    if r.engines and r.backend == "builtin":
+        raise ConfigError("rollout.engines: engine servers need rollout.backend = vllm or sglang")
+    if r.engines and r.urls:
+        raise ConfigError(
+            "rollout.engines: set rollout.engines (servers the run starts) or rollout.urls (servers that "
+            "already run), not both"
+        )
+    if r.backend != "builtin" and not r.urls and not r.engines:
+        raise ConfigError(
+            f"rollout.urls: rollout.backend = {r.backend} needs the engine servers' URLs "
+            '(rollout.urls = ["http://host:port"]), or rollout.engines = N to start them; or use '
+            "rollout.backend = builtin"
+        )
+    n_engines = r.engines or len(r.urls)
+    if r.backend != "builtin" and r.num_actors > n_engines:
+        raise ConfigError(
+            f"rollout.num_actors: {r.num_actors} actors for {n_engines} engine(s); each actor fronts at "
+            "least one engine, so use rollout.num_actors <= len(rollout.urls) or rollout.engines"
+        )
+    fill = dict.fromkeys(ENGINE_PLACEHOLDERS, "")
+    try:
+        r.engine_command.format(**fill)
+    except (KeyError, IndexError, ValueError) as err:
+        names = "{" + "}, {".join(fill) + "}"
+        raise ConfigError(
+            f"rollout.engine_command: bad placeholder ({err}); use {names}; a literal brace is {{{{"
+        ) from None
+    for url in r.urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"rollout.urls: {url!r} is not an http:// or https:// URL")
+
+
+def learner_rules(learner: LearnerConfig) -> None:
+    """Expert parallel divides the ranks and runs on ZeRO-1."""
+    ep = learner.expert_parallel
+    if ep > 1 and learner.num_ranks % ep:
+        raise ConfigError(
+            f"learner.expert_parallel: {ep} does not divide learner.num_ranks = {learner.num_ranks}; "
+            "use a divisor of it (1 turns expert parallel off)"
+        )
+    if ep > 1 and learner.zero_stage != 1:
+        # Stage 0 clips by the mean of the ranks' norms (each rank sees only its experts'); stage 3 partitions
+        # the base, which DeepSpeed refuses with expert-parallel parameters; stage 2 is untested with them.
+        raise ConfigError(
+            f"learner.expert_parallel: {ep} needs learner.zero_stage = 1 (got {learner.zero_stage}): only ZeRO-1 "
+            "reduces and clips expert-parallel LoRA gradients correctly"
+        )
+
+
+def section_rules(config: Config) -> None:
+    """Context parallel: its size times expert parallel's divides the ranks, and it runs under LongStraw's exact or
+    detached mode."""
+    cp, ranks, ep = config.longstraw.context_parallel, config.learner.num_ranks, config.learner.expert_parallel
+    if cp == 1:
+        return
+    if ranks % (cp * ep):
+        with_ep = f" x learner.expert_parallel {ep} = {ep * cp}" if ep > 1 else ""
+        raise ConfigError(
+            f"longstraw.context_parallel: {cp}{with_ep} does not divide learner.num_ranks = {ranks}; "
+            "use a divisor of it (1 turns context parallel off)"
+        )
+    if config.learner.engine != "longstraw" or config.longstraw.mode == "resident":
+        what = f"learner.engine = {config.learner.engine}"
+        if config.learner.engine == "longstraw":
+            what = "longstraw.mode = resident"
+        raise ConfigError(
+            f"longstraw.context_parallel: {cp} needs learner.engine = longstraw in exact or detached mode (got {what})"
+        )
+
+
+def recipe_rules(config: Config) -> None:
+    """The run directory's name (it must stay inside logging.root), LongStraw's ZeRO stages, and float16."""
+    name = config.logging.name
+    if name in (".", "..") or not re.fullmatch(r"[\w.-]+", name, re.ASCII):
+        raise ConfigError(f"logging.name: {name!r} is not a plain folder name (letters, digits, '.', '_', '-')")
+    if not config.logging.root.strip():
+        raise ConfigError("logging.root: is empty; give the folder that holds run directories (default: runs)")
+    if config.learner.engine == "longstraw" and config.learner.zero_stage == 3:
+        raise ConfigError(
+            "learner.engine: longstraw runs the model piecewise and needs whole weights on each rank; "
+            "use learner.zero_stage = 1 or learner.engine = naive"
+        )
+    if config.learner.engine == "longstraw" and config.learner.zero_stage == 2 and config.learner.num_ranks > 1:
+        # ZeRO-2 reduces gradients inside every backward call; LongStraw makes one call per response and per prompt
+        # chunk, so ranks whose prompts differ in length issue different collectives (gloo aborts, NCCL hangs).
+        # Stage 1 reduces once, at the accumulation boundary.
+        raise ConfigError(
+            "learner.zero_stage: 2 reduces inside every backward and LongStraw runs one per response and prompt "
+            "chunk, so ranks would disagree; use learner.zero_stage = 1 (LoRA gradients are small)"
+        )
+    if config.ray.learner_gpus == 0 and config.model.dtype == "float16":
+        raise ConfigError("model.dtype: float16 needs a GPU learner (ray.learner_gpus > 0); use float32 or bfloat16")
+    if config.model.dtype == "float16" and config.learner.zero_stage == 0:
+        # DeepSpeed 0.19's stage-0 fp16 optimizer is not scaled inside engine.backward (only ZeRO optimizers are),
+        # so fp16 gradients would run unscaled and underflow; stages 1-2 scale, and LongStraw's exact mode
+        # accounts for that scale (mint.train.inner_step.StepContext.backward).
+        raise ConfigError("model.dtype: float16 needs learner.zero_stage >= 1 (loss scaling); or use bfloat16")
