@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +17,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from longstraw.routing import find_routers
 from mint.errors import ConfigError
-from mint.models import tiny
-from mint.models.specs import moe_layout
+from mint.models import tiny, tiny_ship
+from mint.models.specs import TINY_FAMILIES, moe_layout, tiny_config
 from mint.models.tiny import (
+    BUILD_VERSION,
     IM_END,
     MANIFEST,
     REQUIRED_FILES,
@@ -26,7 +30,8 @@ from mint.models.tiny import (
     resolve_model_path,
 )
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "glm4_moe")
+FAMILIES = TINY_FAMILIES
+SHIPPED_DIR = tiny_ship.SHIPPED_DIR  # the real one: some fixtures point tiny_ship elsewhere
 PROMPT = "What is the first digit of 3 7 1 4?"
 
 
@@ -37,7 +42,7 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_paths(tmp_path_factory) -> dict[str, str]:
-    """Default builds of every family through ensure_tiny (14-23 s each on one thread), built once."""
+    """The default base of every family through ensure_tiny: the shipped bytes, copied into a fresh cache."""
     cache = str(tmp_path_factory.mktemp("mint_cache"))
     return {family: ensure_tiny(family, cache) for family in FAMILIES}
 
@@ -93,7 +98,7 @@ def test_build_saves_and_loads_through_from_pretrained(tiny_paths, family):
     assert (model.config.eos_token_id, model.config.pad_token_id) == (im_end, pad)
     assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (im_end, pad)
     assert hasattr(model.model.layers[0].mlp, "shared_expert") == (family == "qwen2_moe")
-    if family == "glm4_moe":  # issue 11: a dense first layer, then MoE layers with a shared expert
+    if family == "glm4_moe":  # a dense first layer, then MoE layers with a shared expert
         dense, *moe = model.model.layers
         assert not hasattr(dense.mlp, "experts") and all(hasattr(layer.mlp, "shared_experts") for layer in moe)
         assert moe_layout(model.config).num_layers == len(find_routers(model)) == 2
@@ -130,7 +135,7 @@ def test_base_has_partial_skill(tiny_paths, family):
     sampled = (sampled_B == answer_B).float().mean().item()
     print(f"{family}: greedy {greedy:.3f} sampled {sampled:.3f}")
     assert greedy > 0.8
-    assert 0.18 <= sampled <= 0.45  # chance is 0.1; the noisy-label optimum with q = 0.2 is 0.28
+    assert 0.18 <= sampled <= 0.45  # chance is 0.1; the optimum with q = 0.3 is 0.37, the builds reach 0.23-0.35
     assert (next_B == tok.eos_token_id).float().mean().item() > 0.95
     accuracy = _manifest(path)["accuracy"]
     assert accuracy["greedy"] > 0.8 and 0.18 <= accuracy["sampled"] <= 0.45 and 0.22 <= accuracy["expected"] <= 0.35
@@ -159,8 +164,9 @@ def test_build_is_deterministic(tmp_path):
 
 @pytest.fixture
 def counted_builds(monkeypatch, tmp_path):
-    """ensure_tiny with MINT_CACHE in tmp_path and a cheap build_tiny that counts its calls."""
+    """ensure_tiny with MINT_CACHE in tmp_path, nothing shipped, and a cheap build_tiny that counts its calls."""
     monkeypatch.setenv("MINT_CACHE", str(tmp_path))
+    monkeypatch.setattr(tiny_ship, "SHIPPED_DIR", str(tmp_path / "nothing_shipped"))
     real, calls = tiny.build_tiny, []
 
     def cheap(family, directory, **kwargs):
@@ -224,3 +230,173 @@ def test_resolve_model_path_passes_other_specs_through(tmp_path):
     with pytest.raises(ConfigError, match="unknown tiny family"):
         resolve_model_path("tiny:llama", str(tmp_path))
     assert not os.path.exists(os.path.join(tmp_path, "tiny"))
+
+
+def _shipped(family: str) -> str:
+    path = tiny_ship.shipped_path(f"{family}-{TinyRecipe(family).key()}", SHIPPED_DIR)
+    assert path is not None, f"no shipped base for {family}'s recipe key: run `make tiny-bases`"
+    return path
+
+
+def test_only_current_recipe_keys_are_shipped():
+    """A stale folder (an old recipe key) would be dead weight in the package: `make tiny-bases` removes them."""
+    names = {f"{family}-{TinyRecipe(family).key()}" for family in FAMILIES}
+    assert set(os.listdir(SHIPPED_DIR)) == names
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shipped_base_matches_its_manifest_and_loads(family, tmp_path):
+    """Every shipped file has the manifest's sha256, the base loads through from_pretrained, and it is still what
+    build_tiny would build today: the same recipe, BUILD_VERSION, tokenizer and tiny_config (else `make tiny-bases`)."""
+    path = _shipped(family)
+    manifest = tiny_ship.read_manifest(path)
+    assert set(os.listdir(path)) == {*manifest["sha256"], MANIFEST} and set(REQUIRED_FILES) <= set(os.listdir(path))
+    assert tiny_ship.matches(path, manifest["sha256"])
+    assert manifest["version"] == BUILD_VERSION and manifest["recipe"] == dataclasses.asdict(TinyRecipe(family))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    build_tokenizer().save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        # A build saves the padding state its left-padded evaluation leaves on the backend: not the vocabulary.
+        fresh, saved = (_json_without(os.path.join(d, name), "padding", "truncation") for d in (tmp_path, path))
+        assert fresh == saved, name
+    expected = tiny_config(
+        family,
+        vocab_size=len(tok),
+        initializer_range=TinyRecipe.init_std,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    ).to_dict()
+    skip = {"transformers_version", "dtype", "torch_dtype", "architectures", "_name_or_path"}
+    assert {k: v for k, v in model.config.to_dict().items() if k not in skip} == {
+        k: v for k, v in expected.items() if k not in skip
+    }
+
+
+def _json_without(path: str, *keys: str) -> dict:
+    with open(path) as f:
+        data = json.load(f)
+    return {k: v for k, v in data.items() if k not in keys}
+
+
+_DIGESTS_SCRIPT = """
+import json, os, torch
+from mint.models import tiny, tiny_ship
+def no_build(*args, **kwargs):
+    raise AssertionError("ensure_tiny built a base although one is shipped")
+tiny.build_tiny = no_build
+out = {f: tiny_ship.file_sha256(os.path.join(tiny.ensure_tiny(f), "model.safetensors")) for f in tiny.TINY_FAMILIES}
+print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "digests": out}))
+"""
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", None], ids=["default", "avx2", "native"])
+def test_ensure_tiny_gives_the_shipped_bytes_under_any_cpu_kernels(tmp_path, capability):
+    """Built here, the bases' bytes followed ATEN_CPU_CAPABILITY (three digests per family, docs/decisions.md); through
+    ensure_tiny every capability gets the shipped bytes, with no build (a fresh process each: torch reads the
+    variable once)."""
+    env = {**os.environ, "MINT_CACHE": str(tmp_path)}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    proc = subprocess.run(
+        [sys.executable, "-c", _DIGESTS_SCRIPT], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if capability is not None and out["capability"] != capability.upper():
+        pytest.skip(f"this CPU cannot run ATEN_CPU_CAPABILITY={capability} (torch chose {out['capability']})")
+    shipped = {f: tiny_ship.read_manifest(_shipped(f))["sha256"]["model.safetensors"] for f in FAMILIES}
+    assert out["digests"] == shipped
+
+
+def test_ensure_tiny_replaces_a_local_build_of_a_shipped_key(counted_builds, tmp_path, monkeypatch):
+    """A cache folder built on this machine before the base was shipped (complete, same key, other bytes) is replaced
+    by the shipped bytes; ensure_tiny then neither builds nor copies again."""
+    path = ensure_tiny("qwen3_moe")  # a cheap local build: the fixture hides the shipped bases
+    monkeypatch.setattr(tiny_ship, "SHIPPED_DIR", SHIPPED_DIR)  # now the base is shipped
+    shipped = tiny_ship.read_manifest(_shipped("qwen3_moe"))["sha256"]
+    assert not tiny_ship.matches(path, shipped)
+    assert ensure_tiny("qwen3_moe") == path and tiny_ship.matches(path, shipped) and len(counted_builds) == 1
+    mtime = os.path.getmtime(os.path.join(path, "model.safetensors"))
+    assert ensure_tiny("qwen3_moe") == path and os.path.getmtime(os.path.join(path, "model.safetensors")) == mtime
+    assert os.listdir(os.path.join(tmp_path, "tiny")) == [os.path.basename(path)]  # the old folder is gone
+
+
+def test_ensure_tiny_refuses_a_shipped_base_whose_bytes_changed(tmp_path, monkeypatch):
+    """A shipped file that no longer matches its manifest's sha256 (a bad install, an edited file) is an error, and
+    nothing lands in the cache."""
+    root = tmp_path / "shipped"
+    shutil.copytree(_shipped("qwen3_moe"), root / os.path.basename(_shipped("qwen3_moe")))
+    with open(root / os.path.basename(_shipped("qwen3_moe")) / "model.safetensors", "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    monkeypatch.setattr(tiny_ship, "SHIPPED_DIR", str(root))
+    with pytest.raises(tiny_ship.ShippedBaseError, match=r"model\.safetensors do not match"):
+        ensure_tiny("qwen3_moe", str(tmp_path / "cache"))
+    assert os.listdir(tmp_path / "cache" / "tiny") == []
+
+
+def test_ship_records_digests_and_drops_stale_keys(tmp_path, monkeypatch):
+    """`make tiny-bases` (tiny_ship.ship), with a cheap build: the manifest gains every file's sha256 and what built
+    it, an older key of the family is removed, other families stay, and ensure_tiny then copies the new folder."""
+    real = tiny.build_tiny
+    monkeypatch.setattr(
+        tiny, "build_tiny", lambda family, d, **kw: real(family, d, steps=2, calibrate_steps=1, eval_examples=4)
+    )
+    (tmp_path / "qwen3_moe-0000000000000000").mkdir()
+    (tmp_path / "qwen2_moe-0000000000000000").mkdir()
+    path = tiny_ship.ship("qwen3_moe", str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(path), "qwen2_moe-0000000000000000"])
+    manifest = tiny_ship.read_manifest(path)
+    assert set(manifest["sha256"]) == set(os.listdir(path)) - {MANIFEST} and tiny_ship.matches(path, manifest["sha256"])
+    assert manifest["built_with"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert all(os.stat(os.path.join(path, f)).st_mode & 0o777 == 0o644 for f in os.listdir(path))  # installable
+    monkeypatch.setattr(tiny_ship, "SHIPPED_DIR", str(tmp_path))
+    cached = ensure_tiny("qwen3_moe", str(tmp_path / "cache"))
+    assert tiny_ship.matches(cached, manifest["sha256"]) and tiny_ship.read_manifest(cached) == manifest
+
+
+_BUILD_SCRIPT = """
+import json, sys, torch
+from mint.models import tiny
+r = tiny.TinyRecipe("qwen3_moe")
+tiny.build_tiny(r.family, sys.argv[1], seed=r.seed, label_accuracy=r.label_accuracy, steps=r.steps,
+                calibrate_steps=r.calibrate_steps)
+print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability()}))
+"""
+
+
+@pytest.mark.slow
+def test_a_fresh_build_on_other_kernels_reaches_the_shipped_skill(tmp_path):
+    """build_tiny is still the code that made the shipped base: a fresh qwen3_moe build under other CPU kernels than
+    the shipped one's (30-50 s, 1 thread) has other bytes but the partial skill the shipped manifest records.
+
+    Tolerance 0.1 on every held-out figure (400 prompts per task), from the builds measured under default / avx2 /
+    avx512 (docs/decisions.md): qwen3_moe's figures spread at most 0.076 (arithmetic greedy), `expected` at most
+    0.036; `sampled` adds binomial noise of sd 0.023 per build at p ~ 0.3 (0.033 on a difference, so 0.1 is three sd).
+    A lost skill moves far more: greedy 0.95 -> 0.55 and sampled -> 0.1 (chance)."""
+    shipped = tiny_ship.read_manifest(_shipped("qwen3_moe"))
+    other = "avx2" if shipped["built_with"]["cpu_capability"] == "DEFAULT" else "default"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": other}
+    proc = subprocess.run(
+        [sys.executable, "-c", _BUILD_SCRIPT, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    capability = json.loads(proc.stdout.strip().splitlines()[-1])["capability"]
+    if capability == shipped["built_with"]["cpu_capability"]:
+        pytest.skip(f"this CPU cannot run other kernels than the shipped base's {capability}")
+    fresh = _manifest(str(tmp_path))
+    print(f"fresh ({capability}): {fresh['accuracy_by_task']}\nshipped: {shipped['accuracy_by_task']}")
+    for task, accuracy in shipped["accuracy_by_task"].items():
+        for figure, value in accuracy.items():
+            assert abs(fresh["accuracy_by_task"][task][figure] - value) <= 0.1, (task, figure)
+    assert 0 < fresh["skill_steps"] < fresh["recipe"]["steps"]

@@ -28,9 +28,10 @@ Why arithmetic is in the mix: recipes/arithmetic_cpu.toml trains on held-out ari
 with a partial skill there too. All 990 arithmetic problems occur in pretraining (with noisy labels); what the recipe
 holds out is problems from GRPO, not from the base.
 
-Loss covers only the answer token and `<|im_end|>`. Nothing here downloads anything. Builds are deterministic given
-the seed and cached under `$MINT_CACHE/tiny/` (default `~/.cache/mint/tiny/`) in a folder keyed by a hash of the
-recipe, written atomically.
+Loss covers only the answer token and `<|im_end|>`. Nothing here downloads anything. A build is deterministic given
+the seed and the CPU's float kernels, not across kernels, so the default builds are shipped in the package
+(`tiny_ship`); `ensure_tiny` copies one into `$MINT_CACHE/tiny/` (default `~/.cache/mint/tiny/`), in a folder keyed
+by a hash of the recipe, written atomically.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from mint.errors import ConfigError
+from mint.models import tiny_ship
 from mint.models.specs import TINY_FAMILIES, TINY_PREFIX, tiny_config
 from mint.rl.tasks import Example, get_task
 
@@ -425,13 +427,22 @@ def _remove_stale_temps(parent: str, name: str) -> None:
                 shutil.rmtree(path)
 
 
+def _is_valid(directory: str, shipped: str | None) -> bool:
+    """A complete build that, when a base is shipped for its key, holds the shipped bytes (not a local build's)."""
+    return is_complete(directory) and (
+        shipped is None or tiny_ship.matches(directory, tiny_ship.read_manifest(shipped)["sha256"])
+    )
+
+
 def ensure_tiny(family: str, cache_dir: str | None = None) -> str:
-    """Path of the cached default build of `family`, building it first if absent (seconds, 1 CPU thread).
+    """Path of the cached default base of `family`: the shipped one copied in (ms), or built here (seconds) if absent.
 
     The folder is `<cache_dir>/tiny/<family>-<recipe hash>`, with cache_dir defaulting to $MINT_CACHE, else
-    ~/.cache/mint. A build goes into a temp folder beside it and is renamed into place, so readers never see a
-    partial build; when two processes race, the first rename wins and the other uses it. An incomplete folder
-    (a file missing) is replaced.
+    ~/.cache/mint. When `mint/models/tiny_bases/` ships a base for the recipe key (tiny_ship says why), that is copied
+    and its digests checked, and a cached folder holding other bytes (built here before the base was shipped) is
+    replaced; otherwise the base is built on this machine, and its bytes are this machine's CPU kernels'. Either way
+    the files go into a temp folder beside the target and are renamed into place, so readers never see a partial
+    base; when two processes race, the first rename wins and the other uses it. An incomplete folder is replaced.
     """
     if family not in TINY_FAMILIES:
         raise ConfigError(f"model.path: unknown tiny family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
@@ -439,33 +450,44 @@ def ensure_tiny(family: str, cache_dir: str | None = None) -> str:
     parent = os.path.join(cache_dir or default_cache_dir(), "tiny")
     name = f"{family}-{recipe.key()}"
     target = os.path.join(parent, name)
-    if is_complete(target):
+    shipped = tiny_ship.shipped_path(name)
+    if _is_valid(target, shipped):
         return target
     os.makedirs(parent, exist_ok=True)
     _remove_stale_temps(parent, name)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
     try:
-        build_tiny(
-            family,
-            tmp,
-            seed=recipe.seed,
-            label_accuracy=recipe.label_accuracy,
-            steps=recipe.steps,
-            calibrate_steps=recipe.calibrate_steps,
-        )
+        if shipped is not None:
+            tiny_ship.copy_verified(shipped, tmp)
+        else:
+            log.warning(
+                "tiny %s: no shipped base for recipe key %s; building it here, so its bytes (and starting skill) are "
+                "this machine's (CPU capability %s). `make tiny-bases` ships it.",
+                family,
+                recipe.key(),
+                torch.backends.cpu.get_cpu_capability(),
+            )
+            build_tiny(
+                family,
+                tmp,
+                seed=recipe.seed,
+                label_accuracy=recipe.label_accuracy,
+                steps=recipe.steps,
+                calibrate_steps=recipe.calibrate_steps,
+            )
         for _ in range(3):
             try:
                 os.rename(tmp, target)  # atomic; fails if target exists and is not empty
                 return target
             except OSError:
-                if is_complete(target):  # another process won the race: use theirs
+                if _is_valid(target, shipped):  # another process won the race: use theirs
                     return target
-                if os.path.isdir(target):  # incomplete leftover: move it aside, then retry
+                if os.path.isdir(target):  # incomplete leftover, or a local build of a shipped key: move it aside
                     trash = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
                     with contextlib.suppress(OSError):
                         os.rename(target, os.path.join(trash, "old"))
                     shutil.rmtree(trash, ignore_errors=True)
-        raise OSError(f"could not move the tiny build {tmp} into place at {target}")
+        raise OSError(f"could not move the tiny base {tmp} into place at {target}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
