@@ -1,6 +1,6 @@
 """`mint` command line: `mint train RECIPE [section.key=value ...] [--resume | --dry-run]`, `mint keys`, the catalog's
-commands (`mint revisions list|show|lineage|tag|gc|verify`, `mint export`, `mint serve`; see mint/hub/cli.py), and
-`mint report RUN_DIR [--out DIR]` (plots and report.md of a run; mint/train/report.py).
+commands (`mint revisions list|show|lineage|tag|gc|verify`, `mint export`; see mint/hub/cli.py), `mint serve` (the
+server; mint/serve/), and `mint report RUN_DIR [--out DIR]` (plots and report.md of a run; mint/train/report.py).
 
 A MintError (bad recipe, bad data path, unknown reward...), raised here or inside a Ray actor, prints one line and
 exits 2 for configuration errors, 1 otherwise; no traceback. Ctrl-C exits 130 (docs/reliability.md). The last line
@@ -15,8 +15,10 @@ import os
 import sys
 
 from mint.errors import ConfigError, MintError
-from mint.hub import add_parsers
+from mint.hub import add_parsers as add_catalog_parsers
 from mint.hub import run_command as run_catalog_command
+from mint.serve import add_parsers as add_serve_parsers
+from mint.serve import run_command as run_serve_command
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="plots and a markdown report of a run directory")
     report.add_argument("run", help="a run directory, e.g. runs/smoke")
     report.add_argument("--out", default=None, help="where report.md and plots/ go (default: the run directory)")
-    add_parsers(sub)
+    add_catalog_parsers(sub)
+    add_serve_parsers(sub)
     return parser
 
 
@@ -61,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        if args.command in ("revisions", "export", "serve"):
+        if args.command in ("revisions", "export"):
             return run_catalog_command(args)
+        if args.command == "serve":
+            return run_serve_command(args)
         if args.command == "plan":
             return _plan(args)
         if args.command == "report":

@@ -2,11 +2,13 @@
 
 Layers, highest first; a module may import its own layer and the ones below it, never one above:
 
-    mint.cli > mint.train > mint.hub > mint.rollout > mint.models > mint.rl > mint.config > mint > mint.errors
-        > longstraw > longstraw.kernels
+    mint.cli > mint.train > mint.serve > mint.hub > mint.rollout > mint.models > mint.rl > mint.config > mint
+        > mint.errors > longstraw > longstraw.kernels
 
 and third-party rules: Ray and DeepSpeed only in mint.train; triton only in kernels/; kernels/ imports torch and
-triton only; outside mint/hub, code reaches MinT through `mint.hub`'s public API, never its modules.
+triton only; outside mint/hub, code reaches MinT through `mint.hub`'s public API, never its modules; serving stands
+apart from the store: mint.hub never imports mint.serve, and mint.serve imports no `_`-prefixed module or name of
+another package (the rollout engine through its public names).
 """
 
 import ast
@@ -21,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     "mint.cli",
     "mint.train",
+    "mint.serve",
     "mint.hub",
     "mint.rollout",
     "mint.models",
@@ -62,6 +65,17 @@ def _imports(path: Path) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
     return names
+
+
+def _imported_names(path: Path) -> list[tuple[str, str | None]]:
+    """(module, name) for every `from module import name` (absolute), and (module, None) for every `import module`."""
+    pairs: list[tuple[str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            pairs += [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            pairs += [(node.module, a.name) for a in node.names]
+    return pairs
 
 
 def _sources():
@@ -112,6 +126,29 @@ def test_hub_is_reached_through_its_public_api():
 
     for name in mint.hub.__all__:
         assert getattr(mint.hub, name) is not None, name
+
+
+def test_serving_stands_apart_from_the_store():
+    """mint.hub never imports the server; mint.serve reaches other packages (the store, the rollout engine) only
+    through public names: no `_`-prefixed module or name, so the server cannot grow into anyone's internals."""
+    bad = []
+    for path, module in _sources():
+        if module.startswith("mint.hub"):
+            bad += [
+                f"{path.relative_to(ROOT)} imports {n}" for n in _imports(path) if n.split(".")[:2] == ["mint", "serve"]
+            ]
+        if module == "mint.serve" or module.startswith("mint.serve."):
+            for source, name in _imported_names(path):
+                if source == "__future__" or source == "mint.serve" or source.startswith("mint.serve."):
+                    continue
+                if any(part.startswith("_") for part in source.split(".")) or (name or "").startswith("_"):
+                    bad.append(f"{path.relative_to(ROOT)} imports {source}{'.' + name if name else ''}")
+    assert not bad, "\n".join(bad)
+    import mint.serve
+
+    assert list(mint.serve.__all__) == ["add_parsers", "run_command", "serve"]
+    for name in mint.serve.__all__:
+        assert getattr(mint.serve, name) is not None, name
 
 
 def test_every_package_is_installed():

@@ -263,8 +263,8 @@ def test_batched_decode_equals_the_engine_alone(served):
     tokens and routes, and its logprobs move only by float reassociation."""
     from transformers import AutoTokenizer
 
-    from mint.hub._serve_decode import BatchDecoder, Job
     from mint.rollout import RolloutEngine, SamplingParams
+    from mint.serve._decode import BatchDecoder, Job
 
     model = load_model(served["base"])
     tokenizer = AutoTokenizer.from_pretrained(served["base"])

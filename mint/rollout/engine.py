@@ -457,7 +457,13 @@ def _padding_mask(pad_R: torch.Tensor, columns: int) -> torch.Tensor | None:
     return (torch.arange(columns, device=pad_R.device) >= pad_R[:, None]).long()
 
 
-def _sample(logits_G_V: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """One group's next tokens: `sample_groups` with every row drawn from `generator`. [G, V] -> [G] int64.
-    (mint serve draws with it, so a request samples as the engine samples a group.)"""
+def sample_next(logits_G_V: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """One group's next tokens, drawn as the engine draws a group's: logits_G_V [G, V] -> [G] int64.
+
+    T = params.temperature, p = params.top_p. At T = 0 each row takes argmax(logits) (greedy; no uniform is drawn).
+    Otherwise row i draws from q = softmax(logits_i / T) in fp32, truncated to the top-p nucleus: sorted by
+    descending q, a token is kept while the mass strictly before it is < p (the top token always is), and the draw
+    is by inverse CDF on the kept mass with one uniform per row, all G from `generator`. This is `sample_groups`
+    with one group, so `mint serve` samples a request exactly as the engine samples a group alone.
+    """
     return sample_groups(logits_G_V, params, [generator], logits_G_V.shape[0])

@@ -5,7 +5,7 @@ A request (`Job`) holds one or more prompts; each prompt is a group of n rows, a
 
     admit    prefill the prompt at batch 1 into its own cache (the engine's `_prefill`), repeat it to n rows, and
              merge it into the running batch: every cache is left-padded to the longest, the padding masked
-    step     each group draws its next tokens from its own logits with its own generator (the engine's `_sample`
+    step     each group draws its next tokens from its own logits with its own generator (the engine's `sample_next`
              and `token_logprobs`), finished rows are answered, finished groups leave the batch, and one forward
              over every remaining row produces the next logits
 
@@ -37,7 +37,7 @@ from longstraw.routing import RouteRecorder
 from longstraw.scoring import token_logprobs
 from mint.models.specs import moe_layout, usable_vocab
 from mint.rollout import SamplingParams
-from mint.rollout.engine import _sample, group_seed  # the engine's own draw and seeds: one implementation
+from mint.rollout.engine import group_seed, sample_next  # the engine's own draw and seeds: one implementation
 
 SEED_MOD = 2**63
 
@@ -254,7 +254,7 @@ class BatchDecoder:
         nexts, lps = [], []
         for g in self.groups:
             params = g.job.params
-            g.next_G = _sample(g.logits_G_V, params, g.generator)
+            g.next_G = sample_next(g.logits_G_V, params, g.generator)
             nexts.append(g.next_G)
             lps.append(token_logprobs(g.logits_G_V, g.next_G, params.temperature if params.temperature > 0 else 1.0))
         tokens, lps = torch.cat(nexts).tolist(), torch.cat(lps).tolist()

@@ -3,7 +3,7 @@
 A revision loads from the catalog (id, id prefix, name, RUN@STEP) or from a directory under the `--adapter-root` given
 at start (symlinks resolved first, so nothing outside the root is read): a peft or per-expert one, as `mint export`
 or a rollout actor writes it. A per-expert directory is fused back into the trained layout first, as vLLM loads that
-layout (`mint.hub.export.read_adapter_dir`). Either way its tensors must hash to its id and its base fingerprint must
+layout (`mint.hub.read_adapter_dir`). Either way its tensors must hash to its id and its base fingerprint must
 match the served base; adapters are safetensors, requests are JSON, nothing is unpickled.
 
 Adapter changes and decoding never overlap: the decode worker holds `lock` for a whole batch, and a change first
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from mint.errors import ConfigError, MintError
-from mint.hub._serve_api import HttpError
-from mint.hub.catalog import Catalog
+from mint.hub import Catalog
+from mint.serve._api import HttpError
 
 BASE_ALIASES = ("base",)
 log = logging.getLogger("mint.serve")
@@ -49,7 +49,7 @@ class AdapterHost:
     ):
         from transformers import AutoTokenizer, DynamicCache
 
-        from mint.hub.revisions import base_fingerprint
+        from mint.hub import base_fingerprint
         from mint.models.specs import load_model, moe_layout
         from mint.models.tiny import resolve_model_path
 
@@ -137,7 +137,7 @@ class AdapterHost:
         return f"rev_{rid}"
 
     def _read_catalog(self, ref: str):
-        from mint.hub.export import check_base
+        from mint.hub import check_base
 
         try:
             rid = self.catalog.resolve(ref)
@@ -153,8 +153,7 @@ class AdapterHost:
     def _read_dir(self, ref: str):
         """A peft or per-expert directory under the adapter root, in the trained layout (a per-expert one fused back)
         and hash-checked against its recorded id; a merged export is refused."""
-        from mint.hub.export import check_base, read_adapter_dir
-        from mint.hub.revisions import META_FILE, RevisionMeta
+        from mint.hub import META_FILE, RevisionMeta, check_base, read_adapter_dir
 
         if self.adapter_root is None:
             raise HttpError(
@@ -184,7 +183,7 @@ class AdapterHost:
         An existing name is refused unless `inplace`, which points it at the new revision."""
         from peft import PeftModel, set_peft_model_state_dict
 
-        from mint.hub.export import peft_lora_config
+        from mint.hub import peft_lora_config
         from mint.models.expert_lora import factor_experts
 
         if not lora_name or lora_name in (*BASE_ALIASES, self.served_name):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from longstraw.routing import ExpertLayout
-from mint.hub._serve_api import (
+from mint.serve._api import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -38,7 +38,7 @@ from mint.hub._serve_api import (
     TopLogprob,
     Usage,
 )
-from mint.hub._serve_decode import Choice, Delta, Done
+from mint.serve._decode import Choice, Delta, Done
 
 
 def encode_routes(prompt_routes: list, routes: list, layout: ExpertLayout) -> str:

@@ -1,26 +1,6 @@
-"""`mint serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) on the rollout engine's sampling, with
-revisions hot-loaded over one frozen base and concurrent requests decoded in shared batches.
+"""The server's process: logging, the listening socket, uvicorn, and a clean exit on SIGINT/SIGTERM.
 
-Endpoints
-    GET  /v1/models, /v1/models/{id}   the base and every resident revision (`parent` = the base, as vLLM lists LoRA)
-    POST /v1/completions               prompt: text, token ids, or a list of either; stream, n, logprobs=k, stop, seed
-    POST /v1/chat/completions          messages (string or text-part content) through the base's chat template
-    POST /v1/load_lora_adapter         {"lora_name", "lora_path", "load_inplace"}: vLLM's shape (load_inplace points
-                                       an existing name at the new revision, as vLLM's RL weight swap does)
-    POST /v1/unload_lora_adapter       {"lora_name"}
-    GET  /health
-
-The parts, each its own module:
-    _serve_api      request/response models (pydantic); unsupported parameters; OpenAI error objects
-    _serve_model    the base, the resident revisions, where they may load from (catalog, --adapter-root)
-    _serve_sched    the bounded queue (429 when full) and the decode worker thread that batches per revision
-    _serve_decode   one decode batch: each request sampled as `RolloutEngine` samples it alone, with its own seed
-    _serve_render   decoded choices -> OpenAI objects and stream chunks
-    _serve_http     the FastAPI routes, body limits and timeouts
-docs/mint.md ("Serving") describes the surface, what is refused, and the batching design. Routed experts (R3) come in
-vLLM's encoding, with `--enable-return-routed-experts` on every whole response or per request with SGLang's
-`return_routed_experts` field; docs/rollout.md gives the format and its source. The trainer's `rollout.backend = vllm`
-uses this server as its stand-in for vLLM on CPU.
+`serve` assembles the parts (`AdapterHost`, `Scheduler`, the FastAPI app) and runs until stopped.
 """
 
 from __future__ import annotations
@@ -35,8 +15,8 @@ import sys
 import uvicorn
 
 from mint.errors import MintError
-from mint.hub._serve_api import HttpError
-from mint.hub.catalog import Catalog
+from mint.hub import Catalog
+from mint.serve._api import HttpError
 
 MAX_BODY = 1 << 20
 # uvicorn answers 503 past this many open connections plus tasks; the queue (429) is the real bound on work.
@@ -82,9 +62,9 @@ def serve(
 ) -> None:
     """Run until SIGINT/SIGTERM (then exit cleanly). Prints one JSON line with the URL once the socket listens
     (port 0: any free one)."""
-    from mint.hub._serve_http import build_app
-    from mint.hub._serve_model import AdapterHost
-    from mint.hub._serve_sched import Scheduler
+    from mint.serve._http import build_app
+    from mint.serve._model import AdapterHost
+    from mint.serve._sched import Scheduler
 
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,

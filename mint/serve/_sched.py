@@ -19,9 +19,9 @@ import threading
 import time
 from collections import deque
 
-from mint.hub._serve_api import HttpError
-from mint.hub._serve_decode import BatchDecoder, Job
-from mint.hub._serve_model import AdapterHost
+from mint.serve._api import HttpError
+from mint.serve._decode import BatchDecoder, Job
+from mint.serve._model import AdapterHost
 
 log = logging.getLogger("mint.serve")
 

@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from mint.errors import ConfigError
-from mint.hub._serve_api import (
+from mint.rollout import SamplingParams
+from mint.serve._api import (
     ChatRequest,
     CompletionRequest,
     HttpError,
@@ -34,11 +35,10 @@ from mint.hub._serve_api import (
     UnloadLoraRequest,
     validation_error,
 )
-from mint.hub._serve_decode import Job
-from mint.hub._serve_model import AdapterHost
-from mint.hub._serve_render import Pieces, Renderer
-from mint.hub._serve_sched import Scheduler
-from mint.rollout import SamplingParams
+from mint.serve._decode import Job
+from mint.serve._model import AdapterHost
+from mint.serve._render import Pieces, Renderer
+from mint.serve._sched import Scheduler
 
 log = logging.getLogger("mint.serve")
 
