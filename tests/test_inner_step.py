@@ -31,6 +31,7 @@ from mint.train.inner_step import (
     naive_group_step,
 )
 from mint.train.learner import LearnerActor
+from mint.train.preflight import cpu_fp16_supported
 
 
 def _free_port() -> int:
@@ -181,6 +182,11 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0))
 
 
+@pytest.mark.skipif(
+    not cpu_fp16_supported(),
+    reason="fp16 unsupported on this CPU: DeepSpeed's CPU accelerator (oneDNN) finds no AVX-512-FP16 or AMX-FP16, "
+    "and the learner here runs on it",
+)
 def test_exact_mode_under_the_fp16_loss_scale_equals_the_naive_step(random_qwen3_path):
     """Issue 9: with fp16, DeepSpeed multiplies every loss by its loss scale S before backward. LongStraw's prompt
     backward runs a surrogate built from the dK/dV its replays accumulated (already x S); scaled again, the prompt

@@ -8,6 +8,7 @@ user runs it, which must exit 2 with one stderr line, quickly, leaving the previ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -22,7 +23,8 @@ import pytest
 from mint.config import build_config, load_config
 from mint.errors import ConfigError
 from mint.models.tiny import ensure_tiny
-from mint.train.preflight import SYNTHETIC_BATCHES, Preflight, preflight
+from mint.train import preflight as preflight_module
+from mint.train.preflight import SYNTHETIC_BATCHES, Preflight, check_prompt_lengths, cpu_fp16_supported, preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,6 +139,53 @@ CASES = [
     Case("logging_name_escapes_root", ("logging.name=../x",), "logging.name", "'../x' is not a plain", "config"),
 ]
 
+# Inputs the actors refused after Ray started (the learner, the rollout actor), or the driver after it had moved the
+# previous run aside (mint.catalog). Run in process and as a real process like CASES, without a time limit.
+STARTED_CASES = [
+    Case(
+        "expert_parallel_that_does_not_divide_the_experts",
+        ("learner.num_ranks=3", "learner.expert_parallel=3"),
+        "learner.expert_parallel",
+        "3 does not divide the base's experts (4 routed experts)",
+        needs_tokenizer=True,
+    ),
+    Case(
+        "expert_parallel_on_a_dense_base",
+        ("model.path=tiny:qwen3", "learner.num_ranks=2", "learner.expert_parallel=2"),
+        "learner.expert_parallel",
+        "2 does not divide the base's experts (no routed experts)",
+        needs_tokenizer=True,
+    ),
+    Case(
+        "expert_parallel_with_resident_mode",
+        ("learner.num_ranks=2", "learner.expert_parallel=2", "learner.engine=longstraw", "longstraw.mode=resident"),
+        "learner.expert_parallel",
+        "resident mode is not supported with expert parallel",
+        needs_tokenizer=True,
+    ),
+    Case(
+        "adapter_layout_vllm_cannot_read",
+        ("rollout.backend=vllm", "rollout.urls=['http://127.0.0.1:9']", "rollout.adapter_layout=peft"),
+        "rollout.adapter_layout",
+        "vllm reads qwen3_moe expert LoRA in the per-expert layout, not peft",
+        needs_tokenizer=True,
+    ),
+    Case(
+        "eval_prompt_longer_than_the_context",
+        ("eval.source={inputs}/long.jsonl",),
+        "eval.source",
+        "record 1 (0-based) is 1015 tokens with the chat template, over the 248 that fit the model's 256 positions",
+        needs_tokenizer=True,
+    ),
+    Case("catalog_is_a_regular_file", ("mint.catalog={inputs}/catalog.db",), "mint.catalog", "catalog.db is a file"),
+    Case(
+        "catalog_under_a_regular_file",
+        ("mint.catalog={inputs}/catalog.db/revisions",),
+        "mint.catalog",
+        "cannot be made: ",
+    ),
+]
+
 
 @pytest.fixture(scope="session")
 def tiny_base() -> str:
@@ -166,6 +215,7 @@ def inputs(tmp_path, tiny_base, monkeypatch) -> Inputs:
     (d / f"{REWARD_MODULE}.py").write_text(REWARDS)
     (d / "notamodel").mkdir()
     (d / "notamodel" / "tokenizer.json").write_text("{}")
+    (d / "catalog.db").write_text("a regular file, not the catalog's directory")
     records = [{"prompt": "What is the last digit of 1 2 3?", "answer": "3"}, {"prompt": LONG_PROMPT, "answer": "0"}]
     (d / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     monkeypatch.syspath_prepend(str(d))
@@ -192,7 +242,7 @@ def _check_message(case: Case, message: str, recipe: Path) -> None:
     assert case.message in message, message
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CASES + STARTED_CASES, ids=lambda c: c.id)
 def test_bad_recipe_refused_in_process(case, inputs, tmp_path):
     """load_config then preflight, as `mint train` will run them: one ConfigError line naming the key."""
     recipe, overrides = inputs.args(case)
@@ -212,10 +262,25 @@ def test_bad_recipe_fails_fast_as_a_real_process(case, inputs, tmp_path):
     Until `mint train` calls preflight, the cases of stage "preflight" started Ray (20-25 s) and moved the previous
     run aside.
     """
+    start = time.monotonic()
+    _refused_by_mint_train(case, inputs, tmp_path)
+    wall = time.monotonic() - start
+    assert wall < (TOKENIZER_S if case.needs_tokenizer else FAST_S), f"{wall:.2f} s"
+
+
+@pytest.mark.parametrize("case", STARTED_CASES, ids=lambda c: c.id)
+def test_input_refused_after_ray_started_is_refused_by_a_real_process_first(case, inputs, tmp_path):
+    """`mint train` on each STARTED_CASES input: it started Ray and failed inside an actor (a traceback, the
+    previous run moved aside), or moved the run aside before the catalog failed; now exit 2 with one line, no Ray.
+    (CASES' test above also bounds the time; this one does not.)"""
+    _refused_by_mint_train(case, inputs, tmp_path)
+
+
+def _refused_by_mint_train(case: Case, inputs: Inputs, tmp_path: Path) -> None:
+    """Run `mint train` on `case`: exit 2, one stderr line, nothing on stdout, the previous run left where it was."""
     recipe, overrides = inputs.args(case)
     before = _snapshot(tmp_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(inputs.dir), str(ROOT)]), PYTHONDONTWRITEBYTECODE="1")
-    start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "mint.cli", "train", str(recipe), *overrides],
         cwd=ROOT,
@@ -224,14 +289,12 @@ def test_bad_recipe_fails_fast_as_a_real_process(case, inputs, tmp_path):
         text=True,
         timeout=300,  # generous: a kill would orphan the Ray processes of a run that did start
     )
-    wall = time.monotonic() - start
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("mint: "), proc.stderr[-3000:]
     _check_message(case, lines[0].removeprefix("mint: config error: "), recipe)
     assert proc.stdout == ""
     assert _snapshot(tmp_path) == before, "the previous run directory changed"
-    assert wall < (TOKENIZER_S if case.needs_tokenizer else FAST_S), f"{wall:.2f} s"
 
 
 def _config(inputs: Inputs, *overrides: str):
@@ -369,3 +432,61 @@ def test_preflight_starts_no_ray_in_a_fresh_interpreter(inputs, tmp_path):
 def test_build_config_alone_does_not_run_preflight():
     """Config validation stays standard-library only: a missing model is preflight's business, not build_config's."""
     assert build_config({}, ["model.path=/nonexistent/x"]).model.path == "/nonexistent/x"
+
+
+def _fp16(config):
+    """`config` with model.dtype = float16 on its CPU learner, which load_config refuses on its own (a GPU learner is
+    what fp16 is for); preflight is the check for a learner that runs on CPU anyway."""
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="float16"))
+
+
+def test_fp16_on_a_cpu_without_fp16_is_refused(inputs, monkeypatch):
+    """model.dtype = float16 with the learner on a CPU that DeepSpeed finds without fp16 support (no AVX-512-FP16 or
+    AMX): the learner's deepspeed.initialize raised "Type fp16 is not supported on your device" after Ray started.
+    The detector is patched here; what this machine's CPU reports is the test below."""
+    monkeypatch.setattr(preflight_module, "cpu_fp16_supported", lambda: False)
+    with pytest.raises(ConfigError) as err:
+        preflight(_fp16(_config(inputs)))
+    message = str(err.value)
+    assert message.startswith("model.dtype: float16 on a CPU learner needs fp16 support") and "\n" not in message
+
+
+def test_fp16_on_a_cpu_with_fp16_passes(inputs, monkeypatch):
+    monkeypatch.setattr(preflight_module, "cpu_fp16_supported", lambda: True)
+    assert preflight(_fp16(_config(inputs))).prompts_checked == SYNTHETIC_BATCHES * 2
+
+
+def test_the_fp16_detector_agrees_with_deepspeed():
+    """cpu_fp16_supported makes DeepSpeed's own CPU check without importing deepspeed (whose import logs a line)."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    assert cpu_fp16_supported() == bool(CPU_Accelerator().is_fp16_supported())
+
+
+def test_an_eval_prompt_too_long_passes_under_truncate_prompts(inputs):
+    result = preflight(_config(inputs, f"eval.source={inputs.dir}/long.jsonl", "data.truncate_prompts=true"))
+    assert result.prompts_over_limit == 0  # the training prompts; the long eval prompt will be cut
+
+
+def test_an_eval_prompt_past_eval_max_prompts_is_not_checked(inputs):
+    """Only the first eval.max_prompts records are evaluated (record 1 is the long one)."""
+    preflight(_config(inputs, f"eval.source={inputs.dir}/long.jsonl", "eval.max_prompts=1"))
+
+
+def test_the_rollout_actor_cuts_or_refuses_a_prompt_with_the_preflight_check(inputs):
+    """The actor's guard on each prompt it samples (a synthetic stream's later draws) is the same function: it names
+    the key of the prompt's source, eval.source for an eval prompt (it said data.source for every prompt)."""
+    config = _config(inputs)
+    with pytest.raises(
+        ConfigError, match=r"^eval.source: a prompt is 300 tokens with the chat template, over the 248 "
+    ):
+        check_prompt_lengths("eval.source", [300], 248, config)
+    assert check_prompt_lengths("data.source", [248], 248, config) == 0
+    truncating = _config(inputs, "data.truncate_prompts=true")
+    assert check_prompt_lengths("data.source", [300], 248, truncating) == 1
+
+
+def test_a_new_catalog_directory_passes_and_is_not_made(inputs):
+    catalog = inputs.root / "shared" / "catalog"
+    preflight(_config(inputs, f"mint.catalog={catalog}"))
+    assert not catalog.parent.exists()

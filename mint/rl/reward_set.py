@@ -1,8 +1,9 @@
 """Several reward functions with weights, scored per function and summed: reward = sum_f w_f * clip(r_f, 0, 1).
 
 A recipe's `data.reward` names them: "math_verify:1.0,format:0.2", or a list ["math_verify:1.0", "my.mod:fmt:0.2"].
-A name's weight is what follows its last ":" when that part is a number (default 1.0), so `pkg.module:fn` and
-`pkg.module:fn:0.5` both read.
+A name's weight is what follows its last ":" when that part is a number written with digits (default 1.0), so
+`pkg.module:fn` and `pkg.module:fn:0.5` both read, and so does a function named like a float word: `pkg.module:nan`
+is the function `nan` (weight 1.0), never a NaN weight; `pkg.module:nan:0.5` weighs it 0.5.
 
 Each function is inspected once. It is called as `fn(response, answer, **fields)`, where `fields` are the example's
 extra record fields that its signature accepts (all of them with `**kwargs`). A function marked `fn.batched = True`
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mint.errors import RewardError
-from mint.rl.rewards import _one_line, resolve_reward
+from mint.rl.rewards import BUILTINS, _one_line, resolve_reward
 from mint.rl.tasks import Example
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,11 @@ DEFAULT_TIMEOUT_S = 30.0
 
 
 def parse_reward_spec(spec: str | Sequence[str]) -> list[tuple[str, float]]:
-    """[(name, weight)] of "a:1.0,b:0.2" or ["a:1.0", "b"]; RewardError on an empty, repeated or bad entry."""
+    """[(name, weight)] of "a:1.0,b:0.2" or ["a:1.0", "b"]; RewardError on an empty, repeated or bad entry.
+
+    A weight is written with digits: `nan`, `inf` and `infinity` after the last ":" name a function (`mod:nan`),
+    which float() would have read as a weight. A name holds at most one ":" (`module:fn`), and a built-in's
+    (`exact_match`) takes only a weight after it."""
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     parsed: list[tuple[str, float]] = []
     for item in items:
@@ -44,11 +49,16 @@ def parse_reward_spec(spec: str | Sequence[str]) -> list[tuple[str, float]]:
             raise RewardError(f"reward spec {spec!r}: empty entry; write name or name:weight, comma-separated")
         name, weight = item.strip(), 1.0
         head, sep, tail = name.rpartition(":")
-        # `pkg.module:fn`: the part after ":" is the function, not a weight.
-        with contextlib.suppress(ValueError):
-            weight, name = (float(tail), head.strip()) if sep else (weight, name)
-        if not name or not math.isfinite(weight):
-            raise RewardError(f"reward spec {spec!r}: bad entry {item.strip()!r}; write name or name:weight")
+        # `pkg.module:fn`: the part after ":" is the function, not a weight; so is `pkg.module:nan`.
+        if sep and any(c.isdigit() for c in tail):
+            with contextlib.suppress(ValueError):
+                weight, name = float(tail), head.strip()
+        module, _, attr = name.partition(":")
+        if not name or not math.isfinite(weight) or ":" in attr or (attr and module.strip() in BUILTINS):
+            raise RewardError(
+                f"reward spec {spec!r}: bad entry {item.strip()!r}; write name, name:weight or module:fn:weight "
+                "(a weight is a finite number written with digits)"
+            )
         if name in (n for n, _ in parsed):
             raise RewardError(f"reward spec {spec!r}: {name!r} appears twice")
         parsed.append((name, weight))

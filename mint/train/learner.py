@@ -180,20 +180,13 @@ class LearnerActor:
         only, and mark the expert parameters for DeepSpeed. Returns the model and the optimizer's parameter groups."""
         from deepspeed.utils import groups
 
-        from mint.errors import ConfigError
         from mint.models.expert_parallel import experts_by_layer, load_expert_parallel
         from mint.models.specs import moe_layout
+        from mint.train.preflight import check_expert_parallel
 
         config, ep = self.config, self.config.learner.expert_parallel
+        check_expert_parallel(config, model_config)  # preflight refused these before Ray; a rank started alone too
         layout = moe_layout(model_config)
-        if layout is None or layout.num_experts % ep:
-            what = f"{layout.num_experts} routed experts" if layout else "no routed experts"
-            raise ConfigError(f"learner.expert_parallel: {ep} does not divide the base's experts ({what}); use 1")
-        if config.learner.engine == "longstraw" and config.longstraw.mode == "resident":
-            raise ConfigError(
-                "learner.expert_parallel: resident mode is not supported with expert parallel (each rank's kept "
-                "captures differ, so their MoE calls would not pair up); use longstraw.mode = exact or detached"
-            )
         name = f"ep_size_{ep}"
         if name not in groups._get_expert_parallel_group_dict():
             groups._create_expert_and_data_parallel(ep)  # EP groups: consecutive ranks; replicas: strided

@@ -1,11 +1,14 @@
 """Preflight: every check that needs a recipe's inputs, run before the run directory is touched or Ray starts.
 
 `mint.config` checks a recipe's keys on their own; this module opens what they point at: the model directory (its
-config.json, read as JSON, never the weights), the tokenizer, the dataset, the reward function and the stop
-tokens; and it checks the launch line of the engine servers the run starts (`rollout.engines`) against what vLLM or
-SGLang accept (a LoRA rank, LoRA module names). The first problem raises `ConfigError` with one line that names the
-key and the fix, so a run that would fail after Ray started (20-25 s), or train on prompts longer than the model's
-context, fails before it starts.
+config.json, read as JSON, never the weights), the tokenizer, the dataset and the eval set, the reward function,
+the stop tokens and the catalog path; it checks what the actors would refuse at start (expert parallel against the
+base's experts, the adapter layout the engines read, fp16 on a CPU learner); and it checks the launch line of the
+engine servers the run starts (`rollout.engines`) against what vLLM or SGLang accept (a LoRA rank, LoRA module
+names). The first problem raises `ConfigError` with one line that names the key and the fix, so a run that would fail
+after Ray started (20-25 s), or train on prompts longer than the model's context, fails before it starts. The
+actors' own checks of the same things call the functions here (`check_expert_parallel`, `engine_adapter_layout`,
+`check_prompt_lengths`): one implementation.
 
 The checks run cheapest first. Those that need only the standard library (the engines' launch line, a local model
 directory, the reward, the dataset, one reward call) take about a millisecond and come before the tokenizer, whose
@@ -21,12 +24,14 @@ import logging
 import os
 import re
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mint.config import Config
-from mint.errors import ConfigError, DataError, RewardError
+from mint.errors import ConfigError, DataError, MintError, RewardError
 from mint.rl.data import Dataset, FileDataset, load_dataset
 from mint.rl.reward_set import RewardSet
 from mint.rl.tasks import Example
@@ -34,6 +39,8 @@ from mint.train.engines import check_launch
 
 # Synthetic tasks are endless: the first batches of the run's own stream stand for the rest.
 SYNTHETIC_BATCHES = 4
+# Held-out prompts drawn from a synthetic eval task when eval.max_prompts is 0 (mint.train.evaluation.eval_examples).
+SYNTHETIC_EVAL_PROMPTS = 64
 # A model directory needs one of these for AutoTokenizer to find a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # A hub id (`org/name`, `name`) or `tiny:<family>`. Any other spec that does not exist is a missing path.
@@ -61,13 +68,16 @@ class _Model:
     max_positions: int
     vocab_size: int
     tokenizer: Any = field(default=None, compare=False)  # set when built in memory (a tiny base not built yet)
+    config: Any = field(default=None, compare=False)  # its transformers config, likewise
 
 
 def preflight(config: Config) -> Preflight:
     """Check the engines' launch line, model, reward, dataset, tokenizer, stop tokens and prompt lengths of `config`.
 
-    Order: the engines' launch line, a local model directory, the reward's import, the dataset, one reward call; then
-    (after the heavy imports) a tiny or hub model, the tokenizer, the stop tokens, and every prompt's length. Raises
+    Order: the engines' launch line, mint.catalog, a local model directory, the reward's import, the dataset and the
+    eval set, one reward call; then (after the heavy imports) fp16 on a CPU learner, a tiny or hub model, the
+    tokenizer, the stop tokens, expert parallel against the base's experts, an explicit rollout.adapter_layout, and
+    the length of every training and eval prompt. Raises
     ConfigError (one line, naming the key) on the first problem. Starts nothing and writes nothing: no Ray, no run
     directory, no tiny base build (a tiny base not yet cached is checked with its tokenizer and config, built in
     memory).
@@ -75,15 +85,17 @@ def preflight(config: Config) -> Preflight:
     start = time.perf_counter()
     if config.rollout.engines:
         check_launch(config)  # values vLLM / SGLang would refuse when the run starts them, minutes from now
+    _catalog(config)
     local = _local_model(config.model.path)
     rewards = _reward(config)
     dataset = _dataset(config)
     examples = _examples(dataset, config)
-    _eval_source(config)
+    held_out, eval_stream = _eval_examples(config)
     _call_reward(rewards, examples[0])
     # From here on torch and transformers are imported (the tokenizer, and the rollout actor's prompt rendering).
-    from mint.train.rollout_actor import prompt_tokens, stop_token_ids
+    from mint.train.rollout_actor import engine_adapter_config, prompt_tokens, stop_token_ids
 
+    check_fp16(config)
     model = local or _named_model(config.model.path)
     tokenizer = model.tokenizer or _tokenizer(model.path)
     if len(tokenizer) > model.vocab_size:
@@ -92,6 +104,15 @@ def preflight(config: Config) -> Preflight:
             "they do not belong together"
         )
     stop_token_ids(tokenizer, config.rollout.stop_tokens)
+    if config.learner.expert_parallel > 1:
+        check_expert_parallel(config, _model_config(model))
+    # auto never fails (it picks what the engine reads); an explicit layout is checked as the rollout actor will.
+    if config.rollout.backend != "builtin" and config.rollout.adapter_layout != "auto":
+        model_config = _model_config(model)
+        # The meta-device skeleton the layout is read off warns (a transformers FutureWarning): a second stderr line.
+        with warnings.catch_warnings(), _quiet("transformers"), _quiet("peft"):
+            warnings.simplefilter("ignore")
+            engine_adapter_layout(config, model_config, engine_adapter_config(config, model_config, model.path))
     limit = model.max_positions - config.rollout.max_tokens  # most prompt tokens that leave room for a response
     if limit < 1:
         raise ConfigError(
@@ -100,16 +121,12 @@ def preflight(config: Config) -> Preflight:
         )
     with _quiet("transformers"):  # its "sequence length is longer than" warning would be a second stderr line
         lengths = [len(prompt_tokens(tokenizer, ex, config.data.system_prompt)) for ex in examples]
+        eval_lengths = [len(prompt_tokens(tokenizer, ex, config.data.system_prompt)) for ex in held_out]
+    stream = not isinstance(dataset, FileDataset)
+    over = check_prompt_lengths("data.source", lengths, limit, config, _which(stream))
+    if held_out:  # sampled on the same actors with the same rollout.max_tokens
+        check_prompt_lengths("eval.source", eval_lengths, limit, config, _which(eval_stream))
     longest = max(range(len(lengths)), key=lengths.__getitem__)
-    over = sum(n > limit for n in lengths)
-    if over and not config.data.truncate_prompts:
-        which = f"record {longest} (0-based)" if isinstance(dataset, FileDataset) else f"sample {longest} of the stream"
-        raise ConfigError(
-            f"data.source: {which} is {lengths[longest]} tokens with the chat template, over the {limit} that fit "
-            f"the model's {model.max_positions} positions with rollout.max_tokens={config.rollout.max_tokens} "
-            f"({over} of {len(lengths)} prompts checked are over); shorten the prompts, lower rollout.max_tokens, "
-            "or set data.truncate_prompts=true"
-        )
     return Preflight(
         model_path=model.path,
         tiny_family=model.tiny_family,
@@ -120,6 +137,88 @@ def preflight(config: Config) -> Preflight:
         prompts_over_limit=over,
         seconds=time.perf_counter() - start,
     )
+
+
+def check_prompt_lengths(
+    key: str, lengths: list[int], limit: int, config: Config, which: Callable[[int], str] = lambda i: "a prompt"
+) -> int:
+    """How many of `lengths` (prompt tokens, chat template included) are over `limit`, the tokens that leave room for
+    rollout.max_tokens in the model's positions; ConfigError naming `key` and the longest one (`which(index)`) when
+    any is and data.truncate_prompts is off. Preflight runs it over every checked prompt, the rollout actor over
+    each prompt it samples (a synthetic stream's later draws were not checked)."""
+    over = sum(n > limit for n in lengths)
+    if over and not config.data.truncate_prompts:
+        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        count = f" ({over} of {len(lengths)} prompts checked are over)" if len(lengths) > 1 else ""
+        raise ConfigError(
+            f"{key}: {which(longest)} is {lengths[longest]} tokens with the chat template, over the {limit} that fit "
+            f"the model's {limit + config.rollout.max_tokens} positions with rollout.max_tokens="
+            f"{config.rollout.max_tokens}{count}; shorten the prompts, lower rollout.max_tokens, "
+            "or set data.truncate_prompts=true"
+        )
+    return over
+
+
+def check_expert_parallel(config: Config, model_config) -> None:
+    """What learner.expert_parallel > 1 needs of the base and the inner step: routed experts that EP divides, and
+    not LongStraw's resident mode. The learner checks it again when it loads the base."""
+    from mint.models.specs import moe_layout
+
+    ep = config.learner.expert_parallel
+    layout = moe_layout(model_config)
+    if layout is None or layout.num_experts % ep:
+        what = f"{layout.num_experts} routed experts" if layout else "no routed experts"
+        raise ConfigError(f"learner.expert_parallel: {ep} does not divide the base's experts ({what}); use 1")
+    if config.learner.engine == "longstraw" and config.longstraw.mode == "resident":
+        raise ConfigError(
+            "learner.expert_parallel: resident mode is not supported with expert parallel (each rank's kept "
+            "captures differ, so their MoE calls would not pair up); use longstraw.mode = exact or detached"
+        )
+
+
+def engine_adapter_layout(config: Config, model_config, adapter_config: dict) -> str:
+    """The adapter layout (peft or per-expert) a vllm/sglang rollout actor writes for its engines
+    (`mint.hub.engine_layout` of rollout.adapter_layout); ConfigError when the engine cannot read the one asked for."""
+    from mint.hub import engine_layout
+
+    try:
+        return engine_layout(config.rollout.adapter_layout, adapter_config, model_config, config.rollout.backend)
+    except MintError as err:
+        raise ConfigError(f"rollout.adapter_layout: {err}") from None
+
+
+def cpu_fp16_supported() -> bool:
+    """Whether DeepSpeed's CPU accelerator takes fp16 here. Its `is_fp16_supported()` asks oneDNN, which says yes
+    only on a CPU with AVX-512-FP16 or AMX-FP16; the learner's `deepspeed.initialize` raises "Type fp16 is not
+    supported on your device" otherwise. The same call, made without importing deepspeed (that import picks an
+    accelerator, logs a warning line and takes 0.6 s)."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:  # DeepSpeed reads any failure of the probe as unsupported
+        return False
+
+
+def check_fp16(config: Config) -> None:
+    """model.dtype = float16 on a learner that runs DeepSpeed's CPU accelerator (no GPU asked for, or a local cluster
+    on a machine without CUDA: LearnerActor.use_cuda) needs a CPU with fp16 support."""
+    if config.model.dtype != "float16" or not _cpu_learner(config) or cpu_fp16_supported():
+        return
+    raise ConfigError(
+        "model.dtype: float16 on a CPU learner needs fp16 support in the CPU (AVX-512-FP16 or AMX-FP16, as DeepSpeed "
+        "asks oneDNN), which this machine lacks; use bfloat16 or float32"
+    )
+
+
+def _cpu_learner(config: Config) -> bool:
+    if config.ray.learner_gpus == 0:
+        return True
+    if config.ray.address:  # the cluster's nodes are not this machine
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def _local_model(spec: str) -> _Model | None:
@@ -151,7 +250,7 @@ def _named_model(spec: str) -> _Model:
             return _model_dir(Path(cached), spec, family)
         tokenizer = build_tokenizer()  # 60 ms; the same tokenizer a build saves
         config = tiny_config(family, vocab_size=len(tokenizer))
-        return _Model(spec, family, config.max_position_embeddings, config.vocab_size, tokenizer)
+        return _Model(spec, family, config.max_position_embeddings, config.vocab_size, tokenizer, config)
     from huggingface_hub import try_to_load_from_cache
 
     try:
@@ -212,13 +311,50 @@ def _dataset(config: Config) -> Dataset:
         raise ConfigError(f"data.source: {e}") from None
 
 
-def _eval_source(config: Config) -> None:
-    """eval.source opens and has the fields (held-out prompts are checked like the training ones)."""
-    if config.eval.source:
-        try:
-            load_dataset(config.eval.source, config.data.prompt_key, config.data.answer_key)
-        except DataError as e:
-            raise ConfigError(f"eval.source: {e}") from None
+def _eval_examples(config: Config) -> tuple[list[Example], bool]:
+    """The held-out prompts the run evaluates (as mint.train.evaluation.eval_examples picks them; that module imports
+    Ray), and whether they are draws of a synthetic stream: eval.source opens and has the fields, and its prompts
+    are checked like the training ones."""
+    if not config.eval.source:
+        return [], False
+    try:
+        dataset = load_dataset(config.eval.source, config.data.prompt_key, config.data.answer_key)
+    except DataError as e:
+        raise ConfigError(f"eval.source: {e}") from None
+    n = config.eval.max_prompts
+    if isinstance(dataset, FileDataset):
+        return list(dataset.examples[:n] if n else dataset.examples), False
+    return dataset.take(n or SYNTHETIC_EVAL_PROMPTS, config.grpo.seed), True  # a draw of the endless task
+
+
+def _catalog(config: Config) -> None:
+    """mint.catalog is a directory, or can be made one: the driver opens it after moving the previous run aside."""
+    if not config.mint.catalog:
+        return  # <run dir>/catalog, made with the run directory
+    path = Path(config.mint.catalog)
+    for at in (path, *path.parents):
+        if at.is_dir():
+            return
+        if at.exists():
+            where = "is a file" if at == path else f"cannot be made: {at} is a file"
+            raise ConfigError(f"mint.catalog: {path} {where}; give a directory (made when missing)")
+
+
+def _model_config(model: _Model):
+    """The base's transformers config (config.json; no weights)."""
+    if model.config is not None:
+        return model.config
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model.path)
+    except Exception as e:  # an unknown model_type, a broken field: transformers fails in many ways
+        raise ConfigError(f"model.path: cannot read the config of {model.path}: {_one_line(e)}") from None
+
+
+def _which(stream: bool) -> Callable[[int], str]:
+    """How a length error names prompt i: a file's record, or a draw of a synthetic task's stream."""
+    return (lambda i: f"sample {i} of the stream") if stream else (lambda i: f"record {i} (0-based)")
 
 
 def _examples(dataset: Dataset, config: Config) -> list[Example]:

@@ -26,6 +26,7 @@ from mint.config import Config
 from mint.errors import ConfigError, MintError
 from mint.rl.tasks import Example
 from mint.rollout.engine import GroupRollout, SamplingParams
+from mint.train.preflight import check_prompt_lengths, engine_adapter_layout
 
 
 class StaleRevision(MintError):
@@ -51,6 +52,16 @@ def prompt_tokens(tokenizer, example: Example, system_prompt: str = "") -> list[
     header, as token ids."""
     text = tokenizer.apply_chat_template(example.chat(system_prompt), add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def engine_adapter_config(config: Config, model_config, model_path: str) -> dict:
+    """adapter_config.json as the learner's PEFT model writes it (`adapter_config_dict`), from the same recipe: what
+    a vllm/sglang rollout actor hands its engines with each revision."""
+    from mint.models.lora import peft_config
+
+    lora = peft_config(config.lora, model_config).to_dict()
+    lora["base_model_name_or_path"] = model_path
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in lora.items()}
 
 
 def stop_token_ids(tokenizer, stop_tokens: list[str]) -> tuple[int, ...]:
@@ -113,8 +124,7 @@ class RolloutActor:
         from transformers import AutoConfig
 
         from mint.config import run_dir
-        from mint.hub import base_fingerprint, engine_layout
-        from mint.models.lora import peft_config
+        from mint.hub import base_fingerprint
         from mint.models.specs import moe_layout
         from mint.rollout.backends import http_backend
 
@@ -125,22 +135,17 @@ class RolloutActor:
             r.backend, r.urls[index :: r.num_actors], moe_layout(model_config), r.engine_timeout
         )
         self.adapter_root = Path(r.adapter_dir or run_dir(config) / "engine_adapters") / f"actor_{index}"
-        # adapter_config.json as the learner's PEFT model writes it (`adapter_config_dict`), from the same recipe
-        lora = peft_config(config.lora, model_config).to_dict()
-        lora["base_model_name_or_path"] = model_path
-        self.adapter_config = {k: sorted(v) if isinstance(v, set) else v for k, v in lora.items()}
+        self.adapter_config = engine_adapter_config(config, model_config, model_path)
         self.adapter_meta = {
             "run": config.logging.name,
             "base_model": config.model.path,
             "base_fingerprint": base_fingerprint(model_path),
         }
         # The layout the engine loads (per-expert for vLLM/SGLang expert LoRA), decided once; so is the expert
-        # metadata the split reads (a meta-device skeleton of the base, cached by mint.hub per process).
+        # metadata the split reads (a meta-device skeleton of the base, cached by mint.hub per process). Preflight
+        # refused an explicit layout the engine cannot read; this is the same check, for an actor started alone.
         self.base_config = model_config
-        try:
-            self.adapter_layout = engine_layout(r.adapter_layout, self.adapter_config, model_config, r.backend)
-        except MintError as err:
-            raise ConfigError(f"rollout.adapter_layout: {err}") from None
+        self.adapter_layout = engine_adapter_layout(config, model_config, self.adapter_config)
         return model_config.max_position_embeddings
 
     def pid(self) -> int:
@@ -240,7 +245,7 @@ class RolloutActor:
             max_tokens=self.config.rollout.max_tokens,
             stop_token_ids=self.params.stop_token_ids,
         )
-        prompts = [self._prompt(ex) for ex in examples]
+        prompts = [self._prompt(ex, "eval.source") for ex in examples]
         groups = self._sample_groups(prompts, n, params, seed)
         responses = [
             self.tokenizer.decode(c.tokens_R.tolist(), skip_special_tokens=True) for g in groups for c in g.completions
@@ -248,14 +253,11 @@ class RolloutActor:
         total = self.rewards.score(responses, [ex for ex in examples for _ in range(n)]).total
         return [list(total[i * n : (i + 1) * n]) for i in range(len(examples))]
 
-    def _prompt(self, ex: Example) -> list[int]:
+    def _prompt(self, ex: Example, key: str = "data.source") -> list[int]:
+        """The prompt's tokens as sampled: cut to its last max_prompt tokens under data.truncate_prompts, else a
+        ConfigError naming `key` (preflight checked the files and the first draws of a stream with the same check)."""
         tokens = prompt_tokens(self.tokenizer, ex, self.config.data.system_prompt)
-        if len(tokens) > self.max_prompt:
-            if not self.config.data.truncate_prompts:
-                raise ConfigError(
-                    f"data.source: a prompt of {len(tokens)} tokens exceeds the {self.max_prompt} that fit; "
-                    "set data.truncate_prompts=true to keep its last tokens"
-                )
+        if check_prompt_lengths(key, [len(tokens)], self.max_prompt, self.config):
             tokens = tokens[-self.max_prompt :]  # the end holds the question and the assistant header
         return tokens
 
