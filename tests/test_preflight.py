@@ -14,7 +14,6 @@ import os
 import pickle
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,12 +65,6 @@ REWARD_MODULE = "mint_preflight_test_rewards"
 # 1015 tokens with the tiny tokenizer's chat template: every digit is its own token, and so is every space.
 LONG_PROMPT = "What is the first digit of " + " ".join(str(i % 10) for i in range(500)) + "?"
 
-# Wall time of one failing `mint train`, Python's start included. The cases decided before the tokenizer import in
-# well under a second; the ones that need the tokenizer import transformers and torch first (the rollout actor's
-# prompt rendering lives beside torch code): 1.6-2.9 s measured for that import alone on 2 busy cores, 5 s once.
-FAST_S = 2.0
-TOKENIZER_S = 8.0
-
 
 @dataclass(frozen=True)
 class Case:
@@ -81,7 +74,6 @@ class Case:
     message: str  # and holds this
     stage: str = "preflight"  # or "config": refused by load_config, before preflight
     recipe: str = "recipe"  # the file under inputs/ given as the recipe: recipe, binary, directory or empty
-    needs_tokenizer: bool = False  # decided only after the tokenizer import (see TOKENIZER_S)
 
 
 CASES = [
@@ -105,14 +97,12 @@ CASES = [
         ("rollout.stop_tokens=['</answer>']",),
         "rollout.stop_tokens",
         "'</answer>' is 8 tokens for this tokenizer, not one",
-        needs_tokenizer=True,
     ),
     Case(
         "prompt_longer_than_the_context",
         ("data.source={inputs}/long.jsonl",),
         "data.source",
         "record 1 (0-based) is 1015 tokens with the chat template, over the 248 that fit the model's 256 positions",
-        needs_tokenizer=True,
     ),
     # The run starts the engines minutes later (Ray, the learner, the model load); the engine then refused at start.
     Case(
@@ -147,35 +137,30 @@ STARTED_CASES = [
         ("learner.num_ranks=3", "learner.expert_parallel=3"),
         "learner.expert_parallel",
         "3 does not divide the base's experts (4 routed experts)",
-        needs_tokenizer=True,
     ),
     Case(
         "expert_parallel_on_a_dense_base",
         ("model.path=tiny:qwen3", "learner.num_ranks=2", "learner.expert_parallel=2"),
         "learner.expert_parallel",
         "2 does not divide the base's experts (no routed experts)",
-        needs_tokenizer=True,
     ),
     Case(
         "expert_parallel_with_resident_mode",
         ("learner.num_ranks=2", "learner.expert_parallel=2", "learner.engine=longstraw", "longstraw.mode=resident"),
         "learner.expert_parallel",
         "resident mode is not supported with expert parallel",
-        needs_tokenizer=True,
     ),
     Case(
         "adapter_layout_vllm_cannot_read",
         ("rollout.backend=vllm", "rollout.urls=['http://127.0.0.1:9']", "rollout.adapter_layout=peft"),
         "rollout.adapter_layout",
         "vllm reads qwen3_moe expert LoRA in the per-expert layout, not peft",
-        needs_tokenizer=True,
     ),
     Case(
         "eval_prompt_longer_than_the_context",
         ("eval.source={inputs}/long.jsonl",),
         "eval.source",
         "record 1 (0-based) is 1015 tokens with the chat template, over the 248 that fit the model's 256 positions",
-        needs_tokenizer=True,
     ),
     Case("catalog_is_a_regular_file", ("mint.catalog={inputs}/catalog.db",), "mint.catalog", "catalog.db is a file"),
     Case(
@@ -257,22 +242,18 @@ def test_bad_recipe_refused_in_process(case, inputs, tmp_path):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_bad_recipe_fails_fast_as_a_real_process(case, inputs, tmp_path):
-    """`mint train` as a user runs it: exit 2, one line on stderr, no Ray, and the previous run left where it was.
-
-    Until `mint train` calls preflight, the cases of stage "preflight" started Ray (20-25 s) and moved the previous
-    run aside.
+    """`mint train` as a user runs it: exit 2, one line on stderr (a started Ray prints its own lines there), and the
+    previous run left where it was. Until `mint train` called preflight, the cases of stage "preflight" started Ray
+    and moved the previous run aside. How fast the refusal is belongs to no test: docs/reliability.md gives figures.
     """
-    start = time.monotonic()
     _refused_by_mint_train(case, inputs, tmp_path)
-    wall = time.monotonic() - start
-    assert wall < (TOKENIZER_S if case.needs_tokenizer else FAST_S), f"{wall:.2f} s"
 
 
 @pytest.mark.parametrize("case", STARTED_CASES, ids=lambda c: c.id)
 def test_input_refused_after_ray_started_is_refused_by_a_real_process_first(case, inputs, tmp_path):
     """`mint train` on each STARTED_CASES input: it started Ray and failed inside an actor (a traceback, the
     previous run moved aside), or moved the run aside before the catalog failed; now exit 2 with one line, no Ray.
-    (CASES' test above also bounds the time; this one does not.)"""
+    """
     _refused_by_mint_train(case, inputs, tmp_path)
 
 
@@ -315,8 +296,7 @@ def test_valid_tiny_recipe_passes(inputs, tiny_base, tmp_path):
         seconds=result.seconds,
     )
     assert 15 < result.longest_prompt < 40
-    # Imports done by the first call above; a cached tiny base is then checked in milliseconds.
-    assert preflight(_config(inputs)).seconds < 1.0
+    assert preflight(_config(inputs)).model_path == tiny_base  # a second check finds the cached base
     assert pickle.loads(pickle.dumps(result)) == result
     assert _snapshot(tmp_path) == before
 
@@ -419,13 +399,11 @@ def test_preflight_starts_no_ray_in_a_fresh_interpreter(inputs, tmp_path):
     probe = (
         "import sys; from mint.config import load_config; from mint.train.preflight import preflight; "
         f"r = preflight(load_config({str(inputs.dir / 'recipe.toml')!r}, ['logging.root={inputs.root}'])); "
-        "print(r.seconds, 'ray' in sys.modules)"
+        "print('ray' in sys.modules)"
     )
     before = _snapshot(tmp_path)
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
-    seconds, ray_loaded = out.stdout.split()
-    assert ray_loaded == "False" and out.stderr == "", out.stderr
-    assert float(seconds) < 30  # imports (torch, transformers) included; the checks themselves take milliseconds
+    assert out.stdout.split() == ["False"] and out.stderr == "", out.stderr
     assert _snapshot(tmp_path) == before
 
 
