@@ -286,3 +286,21 @@ def _answer_str(value: Any, where: str, key: str) -> str:
             raise DataError(f"{where}: {key!r} is {value}")
         return str(int(value)) if value.is_integer() else repr(value)
     raise DataError(f"{where}: {key!r} must be a string or a number, got {type(value).__name__}")
+
+
+# The held-out draw of a synthetic eval task: far from grpo.seed + step, the training draws; 64 prompts when
+# eval.max_prompts is 0.
+EVAL_SEED = 7_000_003
+SYNTHETIC_EVAL_PROMPTS = 64
+
+
+def eval_examples(source: str, max_prompts: int, prompt_key: str = "prompt", answer_key: str = "answer"):
+    """(the held-out prompts a run evaluates, whether they are draws of an endless synthetic task): the first
+    `max_prompts` of a file dataset (all when 0), or a draw with EVAL_SEED from a synthetic one. ([], False) without
+    a source. Raises DataError as load_dataset does."""
+    if not source:
+        return [], False
+    dataset = load_dataset(source, prompt_key, answer_key)
+    if isinstance(dataset, FileDataset):
+        return list(dataset.examples[:max_prompts] if max_prompts else dataset.examples), False
+    return dataset.take(max_prompts or SYNTHETIC_EVAL_PROMPTS, EVAL_SEED), True

@@ -44,7 +44,7 @@ from mint.train.cluster import (
     start_cluster,
     start_ray,
 )
-from mint.train.evaluation import eval_examples, evaluate, sample_rows
+from mint.train.evaluation import eval_set, evaluate, sample_rows
 from mint.train.metrics import RunLogger
 from mint.train.nodes import check_run_paths, driver_model_path
 from mint.train.pipeline import RolloutPipeline
@@ -209,8 +209,8 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
     config, out = run.config, run.out
     dataset = load_dataset(config.data.source, config.data.prompt_key, config.data.answer_key)
     stream = dataset.batches(config.rollout.prompts_per_step, config.grpo.seed, start=state.step)
-    held_out = eval_examples(config)
-    if held_out and state.step == 0:  # a resumed run keeps the first eval its checkpoint holds (issue 14)
+    held_out = eval_set(config)
+    if held_out and state.step == 0:  # a resumed run keeps the first eval its checkpoint holds
         state.eval_first = evaluate(cluster, held_out, config, 0, rev.id)
         logger.note(f"mint: eval before training: {_fmt(state.eval_first)}")
     pipe = RolloutPipeline(cluster, config, stream, rev.id, rev.ref, state.step)

@@ -11,21 +11,15 @@ from __future__ import annotations
 import math
 
 from mint.config import Config
-from mint.rl.data import load_dataset
+from mint.rl.data import EVAL_SEED, eval_examples
 from mint.rl.grpo import group_advantages_batch
 from mint.train.cluster import Cluster, collect_rollout, submit_rollout
 
-EVAL_SEED = 7_000_003  # far from grpo.seed + step, the training draws
 
-
-def eval_examples(config: Config) -> list:
-    if not config.eval.source:
-        return []
-    dataset = load_dataset(config.eval.source, config.data.prompt_key, config.data.answer_key)
-    if not hasattr(dataset, "examples"):  # a synthetic task: a held-out draw from another seed
-        return dataset.take(config.eval.max_prompts or 64, EVAL_SEED)
-    examples = list(dataset.examples)
-    return examples[: config.eval.max_prompts] if config.eval.max_prompts else examples
+def eval_set(config: Config) -> list:
+    """The run's held-out prompts (mint.rl.data.eval_examples)."""
+    c = config
+    return eval_examples(c.eval.source, c.eval.max_prompts, c.data.prompt_key, c.data.answer_key)[0]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

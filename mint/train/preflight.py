@@ -32,15 +32,13 @@ from typing import Any
 
 from mint.config import Config
 from mint.errors import ConfigError, DataError, MintError, RewardError
-from mint.rl.data import Dataset, FileDataset, load_dataset
+from mint.rl.data import Dataset, FileDataset, eval_examples, load_dataset
 from mint.rl.reward_set import RewardSet
 from mint.rl.tasks import Example
 from mint.train.engines import check_launch
 
 # Synthetic tasks are endless: the first batches of the run's own stream stand for the rest.
 SYNTHETIC_BATCHES = 4
-# Held-out prompts drawn from a synthetic eval task when eval.max_prompts is 0 (mint.train.evaluation.eval_examples).
-SYNTHETIC_EVAL_PROMPTS = 64
 # A model directory needs one of these for AutoTokenizer to find a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # A hub id (`org/name`, `name`) or `tiny:<family>`. Any other spec that does not exist is a missing path.
@@ -312,19 +310,14 @@ def _dataset(config: Config) -> Dataset:
 
 
 def _eval_examples(config: Config) -> tuple[list[Example], bool]:
-    """The held-out prompts the run evaluates (as mint.train.evaluation.eval_examples picks them; that module imports
-    Ray), and whether they are draws of a synthetic stream: eval.source opens and has the fields, and its prompts
-    are checked like the training ones."""
-    if not config.eval.source:
-        return [], False
+    """The held-out prompts the run evaluates (mint.rl.data.eval_examples, as the run picks them), and whether they
+    are draws of a synthetic stream: eval.source opens and has the fields, and its prompts are checked like the
+    training ones."""
+    c = config
     try:
-        dataset = load_dataset(config.eval.source, config.data.prompt_key, config.data.answer_key)
+        return eval_examples(c.eval.source, c.eval.max_prompts, c.data.prompt_key, c.data.answer_key)
     except DataError as e:
         raise ConfigError(f"eval.source: {e}") from None
-    n = config.eval.max_prompts
-    if isinstance(dataset, FileDataset):
-        return list(dataset.examples[:n] if n else dataset.examples), False
-    return dataset.take(n or SYNTHETIC_EVAL_PROMPTS, config.grpo.seed), True  # a draw of the endless task
 
 
 def _catalog(config: Config) -> None:
