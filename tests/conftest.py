@@ -199,3 +199,68 @@ def engine_python() -> Path:
             pytest.fail(message)
         pytest.skip(message)
     return python
+
+
+# ---- the processes of one test's own run: the machine may be running other jobs' Ray actors at the same time ----
+
+RUN_MARK_VAR = "MINT_TEST_RUN_MARK"
+
+
+def new_run_mark() -> str:
+    """A fresh value for RUN_MARK_VAR. Put it in the environment of the process that starts Ray, before it does:
+    the raylet inherits it, every worker the raylet starts (restarted actors too) and whatever they start."""
+    import uuid
+
+    return f"mint-test-{uuid.uuid4().hex}"
+
+
+def processes_of_run(mark: str, title: str) -> list[int]:
+    """Ids of the processes whose command line contains `title` (a Ray worker's is its title, "ray::RolloutActor")
+    and whose environment holds RUN_MARK_VAR=`mark`.
+
+    An inherited environment rather than the process tree: it holds wherever Ray puts a process (a worker is the
+    raylet's child, the raylet the driver's, a process whose parent died is adopted by init and keeps it), it needs no
+    consistent walk of parent links while processes come and go, and it works alike for a `mint train` subprocess and
+    for train() inside pytest. Another job's processes lack the mark; another user's cannot be read and are skipped.
+    It needs a Ray started by the marked process: workers of a cluster joined through RAY_ADDRESS do not inherit it.
+    """
+    wanted = f"{RUN_MARK_VAR}={mark}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone since the listing, or another user's
+            continue
+        if title.encode() in cmdline and wanted in environ:
+            pids.append(int(entry.name))
+    return pids
+
+
+# ---- tolerances from the dtype and the size of the sum, and learning thresholds from the headroom ----
+
+
+def sum_atol(dtype: torch.dtype, magnitude: float, terms: int) -> float:
+    """Absolute tolerance between two evaluations of the same sums in `dtype` that add in another order (AVX2's 8
+    fp32 lanes against AVX-512's 16, another GEMM blocking, a chunked capture against a whole one):
+    eps(dtype) * magnitude * sqrt(terms).
+
+    Each addition rounds by at most half an ulp of its running value, which `magnitude` bounds (the largest value
+    compared, the scale of the terms behind it), and the two evaluations' independent rounding errors add like a
+    random walk, so they part by about eps * magnitude * sqrt(terms). `terms`: the longest chain of roundings behind
+    a compared value, e.g. the layers below it times the widest reduction of a layer. Measured on the tiny GLM's K/V
+    (3 layers, widest reduction 128: sqrt(384) = 19.6): the largest difference was 5.1 eps * magnitude, under the
+    default, AVX2 and AVX-512 kernels alike, so the bound holds with about 4x to spare and stays orders below a
+    real bug (a rotary on the wrong dims moves K by O(1)).
+    """
+    import math
+
+    return torch.finfo(dtype).eps * magnitude * math.sqrt(terms)
+
+
+def headroom_closed(first: float, last: float) -> float:
+    """The fraction of the headroom 1 - first that training closed, (last - first) / (1 - first), for a reward in
+    [0, 1]. An absolute gain is harder to reach from a higher start (0.5 from 0.49 needs 0.99); this is not."""
+    return (last - first) / max(1.0 - first, 1e-9)

@@ -1,4 +1,4 @@
-"""Context parallel prefix (issue 12) against the unsharded result: 1 rank against C ranks on gloo (STYLE rule 14).
+"""Context parallel prefix against the unsharded result: 1 rank against C ranks on gloo (STYLE rule 14).
 
 Each test spawns C processes (torch.multiprocessing, file rendezvous); every rank computes the single-rank result
 itself from the same seeded inputs, runs the sharded version, and asserts. fp32 throughout, tolerance 1e-5.
@@ -26,6 +26,8 @@ from longstraw.context_parallel import (
 from longstraw.engine import UpdateSpec, grpo_update, score_response
 from longstraw.kernels import prefix_attention
 
+# The fp32 comparisons below part by at most 5.7 eps * max|value| (1.2e-6 at max|value| 3.1), measured under the
+# default and the AVX2 kernels: a tenth of TOL. The fp64 ones use 1e-12.
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -99,7 +101,8 @@ def _attention_worker(rank: int, world: int, force: str) -> None:
                 ], (label, calls)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# 4 ranks only in the full suite (`make test`), as test_sharded_learner does; the 2-rank cases stay in test-fast.
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_cp_prefix_attention_matches_single_rank(world, tmp_path):
     """Outputs, lse, dQ, own dK/dV on every rank, and each rank's page dK/dV, against one prefix_attention."""
     _spawn(_attention_worker, world, tmp_path, "reference")
@@ -238,7 +241,12 @@ def _longstraw_worker(rank: int, world: int, path: str, mode: str) -> None:
 
 @pytest.mark.parametrize(
     "family, mode, world",
-    [("qwen3_moe", "detached", 2), ("qwen3_moe", "exact", 2), ("glm4_moe", "exact", 2), ("qwen3_moe", "exact", 4)],
+    [
+        ("qwen3_moe", "detached", 2),
+        ("qwen3_moe", "exact", 2),
+        ("glm4_moe", "exact", 2),
+        pytest.param("qwen3_moe", "exact", 4, marks=pytest.mark.slow),  # 40 s on 2 shared cores
+    ],
 )
 def test_longstraw_cp_equals_single_rank(family, mode, world, tmp_path):
     """Logprobs and LoRA gradients (detached: prompt K/V constant; exact: the prompt backward across ranks) of a

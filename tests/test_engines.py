@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 import test_rollout_backends as backends
+from conftest import headroom_closed
 
 from mint.config import load_config
 from mint.config.load import build_config
@@ -86,6 +87,7 @@ def _processes_with(marker: str) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_training_through_an_engine_started_under_ray_learns_and_leaves_no_server(tmp_path):
     catalog = tmp_path / "engine-catalog"
     Catalog(catalog).close()  # the server's own catalog stays empty: revisions come as directories
@@ -97,12 +99,15 @@ def test_training_through_an_engine_started_under_ray_learns_and_leaves_no_serve
         assert m["logp_diff_max"] < 1e-4 and m["trust_kept_frac"] == 1.0, m
     rewards = [m["reward_mean"] for m in lines]
     first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
-    assert last > first + 0.1, rewards
+    # Against the headroom: 30 steps of the smoke recipe on one rank went 0.30 -> 0.75 (first and last 8 steps),
+    # closing 0.64 of 1 - first; the former bar, a gain of 0.1 from 0.3, was 0.14 of it.
+    assert last >= 0.5 and headroom_closed(first, last) >= 0.3, rewards
     log = (tmp_path / "engines/engines/engine_0.log").read_text()
     assert "mint.cli serve" in log and "--enable-return-routed-experts" in log
     assert _processes_with(str(catalog)) == [], "an engine server outlived the run"
 
 
+@pytest.mark.slow
 def test_an_engine_that_exits_at_once_is_one_clear_line(tmp_path):
     command = "{python} -c \"import sys; print('no such model: {model}'); sys.exit(3)\""
     with pytest.raises(MintError) as info:
@@ -134,6 +139,7 @@ def _kill_after(metrics: Path, marker: str, steps: int, killed: list[int]) -> th
     return thread
 
 
+@pytest.mark.slow
 def test_a_killed_engine_is_restarted_and_the_run_finishes(tmp_path, capfd):
     catalog = tmp_path / "revive-catalog"
     Catalog(catalog).close()
@@ -157,6 +163,7 @@ def test_a_killed_engine_is_restarted_and_the_run_finishes(tmp_path, capfd):
     assert _processes_with(str(catalog)) == [], "an engine server outlived the run"
 
 
+@pytest.mark.slow
 def test_overlapped_steps_survive_a_killed_engine(tmp_path):
     """rollout.max_staleness = 1: the revision load queued on the dead server fails, the server is restarted, and the
     actor's next rollout (refused: it still holds the older revision) is redone with the revision it names."""
@@ -174,6 +181,7 @@ def test_overlapped_steps_survive_a_killed_engine(tmp_path):
     assert _processes_with(str(catalog)) == [], "an engine server outlived the run"
 
 
+@pytest.mark.slow
 def test_an_engine_that_dies_mid_run_ends_it_with_one_line(tmp_path):
     catalog = tmp_path / "dying-catalog"
     Catalog(catalog).close()

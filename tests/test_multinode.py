@@ -292,6 +292,7 @@ def _learned(rewards: list[float], k: int = 10) -> float:
     return sum(rewards[-k:]) / k - sum(rewards[:k]) / k
 
 
+@pytest.mark.slow
 def test_wait_step_fails_in_bounded_time_when_a_node_never_joins(cluster):
     """launch/slurm.sbatch's wait step against a cluster with fewer nodes than asked, and against no head at all."""
     t0 = time.monotonic()
@@ -313,6 +314,7 @@ def test_wait_step_fails_in_bounded_time_when_a_node_never_joins(cluster):
     assert nobody.returncode == 1 and "no Ray head answered" in nobody.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_a_model_missing_on_one_node_is_refused_naming_it(tmp_path, cluster):
     """A hub model in node-a's (and the driver's) Hugging Face cache but not node-b's: one line naming node-b, before
     any actor starts."""

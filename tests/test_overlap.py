@@ -1,4 +1,4 @@
-"""Overlapped steps (rollout.max_staleness, issue 13): rollout runs ahead of the learner by at most k revisions.
+"""Overlapped steps (rollout.max_staleness): rollout runs ahead of the learner by at most k revisions.
 
 End to end through real local Ray and DeepSpeed (gloo) on the smoke recipe, one learner rank. One reference run at
 k = 1 (24 steps, a checkpoint every 8) learns, and every step's samples come from the revision its staleness says
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import RUN_MARK_VAR, headroom_closed, new_run_mark, processes_of_run
 
 from mint.config import load_config
 from mint.train.driver import train
@@ -111,10 +112,11 @@ def test_max_staleness_1_learns_from_samples_one_revision_old(reference):
         assert m["learn_s"] > 0 and m["sync_s"] > 0 and m["rollout_s"] >= 0
         assert m["idle_s"] == pytest.approx(m["step_s"] - m["learn_s"])
 
-    # It learns: the smoke task's reward rises (about 0.25 -> 0.5 over these steps on CPU).
+    # It learns, against the headroom: this run went 0.29 -> 0.65 (first and last 8 steps), closing 0.50 of
+    # 1 - first; the former bar, a gain of 0.1 from 0.29, was 0.14 of it.
     rewards = [m["reward_mean"] for m in lines]
     first, last = sum(rewards[:EVERY]) / EVERY, sum(rewards[-EVERY:]) / EVERY
-    assert last > first + 0.1, (first, last)
+    assert last >= 0.45 and headroom_closed(first, last) >= 0.25, (first, last)
 
 
 @pytest.mark.slow
@@ -140,18 +142,19 @@ def test_max_staleness_1_survives_a_sigkilled_rollout_actor(tmp_path, reference)
     steps = 12
     cmd = [sys.executable, "-m", "mint.cli", "train", "recipes/smoke.toml", *K1, f"grpo.steps={steps}", *SMALL]
     cmd += [f"logging.root={tmp_path}", "logging.name=killed", "logging.progress=false"]
-    # Its own session, so the victim is this run's rollout actor and no other process on the machine.
+    # Marked, so the victim is this run's rollout actor and no other job's on the machine.
+    mark = new_run_mark()
+    env = {**os.environ, RUN_MARK_VAR: mark}
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     metrics = tmp_path / "killed" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before step 2"
         time.sleep(0.1)
-    found = subprocess.run(["pgrep", "-s", str(proc.pid), "-f", "ray::RolloutActor"], capture_output=True, text=True)
-    victims = [int(p) for p in found.stdout.split()]
-    assert victims, "no rollout actor in the run's session"
+    victims = processes_of_run(mark, "ray::RolloutActor")
+    assert victims, "no rollout actor of this run"
     os.kill(victims[0], signal.SIGKILL)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import torch
 import uvicorn
-from conftest import build_random_tiny
+from conftest import build_random_tiny, headroom_closed
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from safetensors.torch import load_file, save_file
@@ -668,6 +668,8 @@ def test_training_through_mint_serve_as_the_vllm_engine_learns(tmp_path):
         assert m["trust_kept_frac"] == 1.0 and m["out_of_route_ratio"] == 0.0, m
     rewards = [m["reward_mean"] for m in lines]
     first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
-    assert last > first + 0.1, rewards
+    # Against the headroom: 30 steps of the smoke recipe on one rank went 0.30 -> 0.75 (first and last 8 steps),
+    # closing 0.64 of 1 - first; the former bar, a gain of 0.1 from 0.3, was 0.14 of it.
+    assert last >= 0.5 and headroom_closed(first, last) >= 0.3, rewards
     # Only the current and the previous revision's adapter directories stay on the actor's node.
     assert len(list((adapters / "actor_0").glob("rev_*"))) == 2

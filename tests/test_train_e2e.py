@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import headroom_closed
 from peft import PeftModel
 
 from mint.config import load_config
@@ -139,7 +140,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def test_exact_run_equals_the_naive_run_step_by_step(tmp_path):
-    """Issue 9: the default inner step, LongStraw exact, end to end through `mint train` as a real process: real Ray,
+    """The default inner step, LongStraw exact, end to end through `mint train` as a real process: real Ray,
     2 learner ranks on real DeepSpeed (ZeRO-2, gloo), KL on, R3 on. A naive-step run of the same recipe gives the
     same losses and gradient norms at every step (fp32, 1e-5): the same gradient, so the same run."""
     common = [
@@ -160,7 +161,7 @@ def test_exact_run_equals_the_naive_run_step_by_step(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     exact_summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    # Every run ends with its report (issue 14): the path on stderr, the PNGs beside it.
+    # Every run ends with its report: the path on stderr, the PNGs beside it.
     assert f"mint: report {tmp_path / 'exact' / 'report.md'}" in proc.stderr
     assert len(list((tmp_path / "exact" / "plots").glob("*.png"))) >= 4
     exact_config = json.loads((tmp_path / "exact/config.json").read_text())
@@ -179,7 +180,7 @@ def test_exact_run_equals_the_naive_run_step_by_step(tmp_path):
 
 
 def test_held_out_eval_samples_and_lr_schedule(tmp_path):
-    """Issue 14: held-out eval (chat-message prompts from a JSONL file, an extra column, math_verify) rises while
+    """Held-out eval (chat-message prompts from a JSONL file, an extra column, math_verify) rises while
     training; samples.jsonl holds prompts with completions, rewards and advantages; the cosine schedule with warmup
     drives the learning rate every step logs."""
     from mint.rl.tasks import get_task
@@ -226,9 +227,10 @@ def test_held_out_eval_samples_and_lr_schedule(tmp_path):
 
 
 def test_expert_parallel_smoke_run_learns_and_publishes_every_expert(tmp_path):
-    """Issue 12: `mint train recipes/smoke.toml learner.num_ranks=2 learner.expert_parallel=2` as written (250 steps,
-    each learner rank holding 2 of the 4 experts) reaches reward_gain >= 0.5, and its published adapter holds every
-    expert under the unsharded adapter's names and shapes (gathered at publish), which plain PEFT loads."""
+    """`mint train recipes/smoke.toml learner.num_ranks=2 learner.expert_parallel=2` as written (250 steps, each
+    learner rank holding 2 of the 4 experts) learns the task (reward_last >= 0.9, closing >= 0.8 of the headroom
+    1 - reward_first), and its published adapter holds every expert under the unsharded adapter's names and shapes
+    (gathered at publish), which plain PEFT loads."""
     config = load_config(
         ROOT / "recipes/smoke.toml",
         [
@@ -240,7 +242,11 @@ def test_expert_parallel_smoke_run_learns_and_publishes_every_expert(tmp_path):
         ],
     )
     summary = train(config)
-    assert summary["reward_gain"] >= 0.5, summary
+    # Relative to the headroom, not an absolute gain: a base that starts higher has less to gain (0.49 -> 0.964 closed
+    # 0.93 of it but gained only 0.474). Measured runs reach 0.96-0.98 and close 0.93-0.97 (docs/benchmarks.md); the
+    # former bar, a gain of 0.5 from the 0.37 start it was set at, asked for 0.87 and 0.79 of the headroom.
+    closed = headroom_closed(summary["reward_first"], summary["reward_last"])
+    assert summary["reward_last"] >= 0.9 and closed >= 0.8, (closed, summary)
     lines = _metrics(Path(summary["run_dir"]))
     assert all(m["logp_diff_max"] < 1e-4 for m in lines)  # the rollout scored with exactly the learner's adapter
 

@@ -122,6 +122,7 @@ def test_replay_weights_come_from_learner_logits_and_reach_a_trainable_router(ra
     assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_routes_round_trip_through_the_ray_object_store():
     import ray
 
