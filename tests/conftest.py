@@ -264,3 +264,27 @@ def headroom_closed(first: float, last: float) -> float:
     """The fraction of the headroom 1 - first that training closed, (last - first) / (1 - first), for a reward in
     [0, 1]. An absolute gain is harder to reach from a higher start (0.5 from 0.49 needs 0.99); this is not."""
     return (last - first) / max(1.0 - first, 1e-9)
+
+
+def kill_when_logged(metrics: Path, find_pids, steps: int, killed: list[int], wait_s: float = 900.0):
+    """A daemon thread that SIGKILLs the processes `find_pids()` names once `metrics` (a run's metrics.jsonl) holds
+    `steps` lines, and appends to `killed` how many it held then (nothing when it found no process to kill)."""
+    import signal
+    import threading
+    import time
+
+    def kill():
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+                pids = find_pids()
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                if pids:
+                    killed.append(len(metrics.read_text().splitlines()))
+                return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread

@@ -21,15 +21,13 @@ import os
 import signal
 import socket
 import sys
-import threading
-import time
 import urllib.request
 from pathlib import Path
 
 import httpx
 import pytest
 import test_rollout_backends as backends
-from conftest import headroom_closed
+from conftest import headroom_closed, kill_when_logged
 
 from mint.config import load_config
 from mint.config.load import build_config
@@ -118,25 +116,9 @@ def test_an_engine_that_exits_at_once_is_one_clear_line(tmp_path):
     assert str(tmp_path / "dead/engines/engine_0.log") in message and "no such model" in message, message
 
 
-def _kill_after(metrics: Path, marker: str, steps: int, killed: list[int]) -> threading.Thread:
-    """A thread that SIGKILLs the engine server (its command line holds `marker`) once `steps` steps are logged,
-    and records the steps logged by then."""
-
-    def kill():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
-                pids = _processes_with(marker)
-                for pid in pids:
-                    os.kill(pid, signal.SIGKILL)
-                if pids:
-                    killed.append(len(metrics.read_text().splitlines()))
-                return
-            time.sleep(0.1)
-
-    thread = threading.Thread(target=kill, daemon=True)
-    thread.start()
-    return thread
+def _kill_after(metrics: Path, marker: str, steps: int, killed: list[int]):
+    """SIGKILL the engine server (its command line holds `marker`) once `steps` steps are logged (kill_when_logged)."""
+    return kill_when_logged(metrics, lambda: _processes_with(marker), steps, killed, wait_s=120)
 
 
 @pytest.mark.slow

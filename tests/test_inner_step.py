@@ -40,16 +40,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def real_learner(path: str, overrides: list[str], dtype: str = "float32") -> LearnerActor:
+def real_learner(path: str, overrides: list[str], dtype: str = "float32", faults=None) -> LearnerActor:
     """A world-size-1 learner rank set up exactly as a Ray rank is, with LoRA B perturbed so every LoRA matrix gets
     a gradient (B starts at zero). The recipe's default ZeRO stage; gradients are read back with DeepSpeed's
-    safe_get_full_grad."""
+    safe_get_full_grad. `faults`: mint.train.faults.Faults to inject."""
     config = build_config({}, ["learner.num_ranks=1", "ray.torch_threads=1", *overrides])
     if dtype != config.model.dtype:
         # Recipes refuse float16 on a CPU learner (slow, and no GPU run uses it there); DeepSpeed's fp16 optimizer
         # and loss scaling run on CPU all the same, which is what the fp16 test needs.
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype))
-    learner = LearnerActor(config, path, 0, 1)
+    learner = LearnerActor(config, path, 0, 1, faults)
     learner.setup("127.0.0.1", _free_port())
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -9,12 +9,10 @@ the rate of the step before. The rate is now set at each step from `lr_factor(st
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
+from test_inner_step import real_learner
 
-from mint.config import build_config
 from mint.train.faults import Faults
 from mint.train.inner_step import GroupBatch, MicroStep, StepPlan
 from mint.train.learner import LearnerActor, lr_factor
@@ -22,25 +20,9 @@ from mint.train.learner import LearnerActor, lr_factor
 SCHEDULE = ["learner.lr_schedule=cosine", "learner.min_lr_ratio=0.1", "learner.lr=0.01", "grpo.steps=5"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _learner(path: str, overrides: list[str], faults: Faults | None = None) -> LearnerActor:
-    """A world-size-1 rank of the naive engine, LoRA B perturbed so that every LoRA matrix gets a gradient."""
-    config = build_config(
-        {}, ["learner.num_ranks=1", "ray.torch_threads=1", "learner.engine=naive", "grpo.icepop=false", *overrides]
-    )
-    learner = LearnerActor(config, path, 0, 1, faults)
-    learner.setup("127.0.0.1", _free_port())
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in learner.engine.module.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return learner
+    """A world-size-1 rank of the naive step (test_inner_step.real_learner), IcePop off."""
+    return real_learner(path, ["learner.engine=naive", "grpo.icepop=false", *overrides], faults=faults)
 
 
 def _plan(step: int) -> StepPlan:

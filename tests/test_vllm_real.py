@@ -19,14 +19,13 @@ import os
 import signal
 import socket
 import subprocess
-import threading
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import RUN_MARK_VAR, headroom_closed, kill_when_logged, new_run_mark, processes_of_run
 
 from longstraw.scoring import token_logprobs
 from mint.config import load_config
@@ -43,48 +42,12 @@ START_TIMEOUT_S = 600  # measured 30-100 s on 2 cores; Ray workers and other tes
 pytestmark = pytest.mark.slow
 
 
-def _vllm_processes(marker: str) -> list[int]:
-    """Process ids of vLLM servers (their command line names vllm) whose environment holds `marker`: the server
-    inherits the test's environment through Ray, and the tiny base's path is shared by every test."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if b"vllm" in cmdline and b" serve " in cmdline.replace(b"\0", b" ") and marker.encode() in environ:
-            pids.append(int(entry.name))
-    return pids
-
-
-def _kill_after(metrics: Path, marker: str, steps: int, killed: list[int]) -> threading.Thread:
-    """A thread that SIGKILLs the vLLM API server once `steps` steps are logged, recording how many were."""
-
-    def kill():
-        deadline = time.monotonic() + START_TIMEOUT_S + 300
-        while time.monotonic() < deadline:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
-                pids = _vllm_processes(marker)
-                for pid in pids:
-                    os.kill(pid, signal.SIGKILL)
-                if pids:
-                    killed.append(len(metrics.read_text().splitlines()))
-                return
-            time.sleep(0.1)
-
-    thread = threading.Thread(target=kill, daemon=True)
-    thread.start()
-    return thread
-
-
 def test_a_grpo_run_through_a_real_vllm_learns_with_the_learners_logprobs_and_survives_a_killed_server(
     tmp_path, engine_python, monkeypatch, capfd
 ):
-    marker = f"mint-test-{uuid.uuid4().hex}"
-    monkeypatch.setenv("MINT_TEST_ENGINE_MARK", marker)  # reaches the server through Ray's workers
+    mark = new_run_mark()
+    monkeypatch.setenv(RUN_MARK_VAR, mark)  # reaches the server through Ray's workers
+    servers = lambda: processes_of_run(mark, "vllm serve")  # the API server; the restart ends its process group
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
     steps, kill_at = 40, 10
     config = load_config(
@@ -103,7 +66,7 @@ def test_a_grpo_run_through_a_real_vllm_learns_with_the_learners_logprobs_and_su
         ],
     )
     metrics, killed = tmp_path / "vllm/metrics.jsonl", []
-    killer = _kill_after(metrics, marker, kill_at, killed)
+    killer = kill_when_logged(metrics, servers, kill_at, killed, wait_s=START_TIMEOUT_S + 300)
     summary = train(config)
     killer.join()
 
@@ -126,8 +89,8 @@ def test_a_grpo_run_through_a_real_vllm_learns_with_the_learners_logprobs_and_su
     # It learned: rewards over the last 8 steps against the first 8, and the share of the headroom it closed.
     rewards = [m["reward_mean"] for m in lines]
     first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
-    assert last - first >= 0.3 and (last - first) / (1 - first) >= 0.5, rewards
-    assert _vllm_processes(marker) == [], "a vLLM server outlived the run"
+    assert last - first >= 0.3 and headroom_closed(first, last) >= 0.5, rewards
+    assert servers() == [], "a vLLM server outlived the run"
 
 
 # ---- a tiny Qwen3-MoE served as a base policy ---------------------------------------------------------------------
