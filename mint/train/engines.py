@@ -62,7 +62,7 @@ DEFAULT_COMMANDS = {
     ),
 }
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"  # vLLM's and SGLang's alike
-# vLLM's --max-lora-rank takes only these (vllm/config/lora.py, MaxLoRARanks, vLLM 0.32 and 0.33).
+# vLLM's --max-lora-rank takes only these (vllm/config/lora.py, MaxLoRARanks, as of vLLM 0.32).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # SGLang's --lora-target-modules takes only these, or "all" (sglang/srt/utils/common.py,
 # SUPPORTED_LORA_TARGET_MODULES, SGLang 0.5.23).
