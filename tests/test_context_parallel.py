@@ -1,4 +1,4 @@
-"""Context parallel prefix against the unsharded result: 1 rank against C ranks on gloo (STYLE rule 14).
+"""Context parallel prefix against the unsharded result: 1 rank against C ranks on gloo.
 
 Each test spawns C processes (torch.multiprocessing, file rendezvous); every rank computes the single-rank result
 itself from the same seeded inputs, runs the sharded version, and asserts. fp32 throughout, tolerance 1e-5.

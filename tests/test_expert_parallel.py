@@ -1,4 +1,4 @@
-"""Expert parallel: the sharded layout against the unsharded result (STYLE rule 14), on 2 and 4 gloo ranks.
+"""Expert parallel: the sharded layout against the unsharded result, on 2 and 4 gloo ranks.
 
 Ranks are forked processes in one gloo group; each returns its tensors to the test, which compares them with a
 single-process computation over the same data. Different token counts per rank (one rank with none), experts that
