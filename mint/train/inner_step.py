@@ -20,7 +20,6 @@ The loss of a step is a sum over tokens of weight x per-token objective, with we
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +29,6 @@ from longstraw.adapters import adapter_for
 from longstraw.context_parallel import cp_adapter_for
 from longstraw.engine import PrefixCapture, UpdateSpec, capture_prefix, grpo_update
 from longstraw.expert_parallel import Lockstep, LockstepAdapter, pad_responses
-from longstraw.memory import reset_peak
 from longstraw.routing import ExpertLayout, GroupRoutes, RouteReplay
 from longstraw.scoring import token_logprobs
 from longstraw.trust import TrustCounts, icepop_status, out_of_route, trust_mask
@@ -126,18 +124,6 @@ class StepContext:
     # Context parallel: this rank's CP group (None without CP) and its size C (mint.train.context_parallel).
     cp_group: Any = None
     context_parallel: int = 1
-    _metered_plan: Any = field(default=None, repr=False)  # weakref to the StepPlan whose peak is being metered
-
-    def start_step(self, plan: StepPlan) -> None:
-        """Reset the device's peak once per learner step (one StepPlan), at its first micro-step; later calls for the
-        same plan (more micro-steps, more epochs) do nothing. The learner reads the peak once after the optimizer
-        step (`peak_memory_mb`: max_memory_allocated on CUDA, ru_maxrss on CPU, both reset here), so it covers
-        every group of the step. Nothing inside a group may reset it (a reset per group leaves only the last
-        group's peak), which is why LongStraw's update runs with measure=False."""
-        if self._metered_plan is not None and self._metered_plan() is plan:
-            return
-        self._metered_plan = weakref.ref(plan)
-        reset_peak(self.device)
 
     def backward(self, loss: torch.Tensor, boundary: bool, carries_scale: bool = False) -> None:
         """DeepSpeed's backward, with the accumulation boundary set first (gradients reduce on the boundary).
@@ -292,7 +278,6 @@ def _score_padded(
 
 def naive_group_step(ctx: StepContext, micro: MicroStep, plan: StepPlan, old: list[torch.Tensor] | None, last: bool):
     """One padded full-sequence forward for the group's G responses, then one backward. Returns (stats, logp)."""
-    ctx.start_step(plan)
     group = micro.group
     routes = ctx.group_routes(group)
     logp, native = _score_padded(ctx, group, with_grad=True, routes=routes)
@@ -315,7 +300,6 @@ def longstraw_group_step(
     ctx: StepContext, micro: MicroStep, plan: StepPlan, old: list[torch.Tensor] | None, last: bool
 ):
     """LongStraw: capture the prompt once, replay each response with autograd and backward it, one at a time."""
-    ctx.start_step(plan)
     group = micro.group
     routes = ctx.group_routes(group)
     # With R3 off every ok is False: the routers run natively, and the replay still measures out-of-route.

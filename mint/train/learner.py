@@ -30,6 +30,7 @@ import time
 import ray
 import torch
 
+from longstraw.memory import reset_peak
 from longstraw.trust import TrustCounts
 from mint.config import Config
 from mint.train.faults import Faults
@@ -220,6 +221,10 @@ class LearnerActor:
         n_micro = len(plan.micro_steps)
         inner_step = INNER_STEPS[self.config.learner.engine]
         sums["lr"] = self._set_lr(plan.step)  # the rate every epoch of this step uses
+        # The peak is the step's: reset once here, read once after the optimizer step (peak_memory_mb). Nothing
+        # inside a group resets it (a reset per group left only the last group's peak), so LongStraw's update runs
+        # with measure=False.
+        reset_peak(self.device)
         for epoch in range(self.config.learner.epochs):
             for i, micro in enumerate(plan.micro_steps):
                 stats, logp = inner_step(self.ctx, micro, plan, old_logprobs.get(i), last=i == n_micro - 1)
