@@ -76,9 +76,6 @@ class Cluster:
     lost: str = ""  # set by the watchdog: which node left, with which actors
     engines: list = field(default_factory=list)  # EngineServer actors (rollout.engines), stopped by close()
     engine_restarts: int = 0  # engine servers restarted after they died (mint.train.engines.revive_engines)
-    # (id, bytes ref) of the revision the rollout actors were last handed (submit_loads, finish_sync): what a
-    # restarted actor is loaded with before an eval pass is redone on it (mint.train.evaluation).
-    revision: tuple[str, object] | None = None
     context_parallel: int = 1  # longstraw.context_parallel, learner.expert_parallel: how plans map to ranks
     expert_parallel: int = 1
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -287,7 +284,6 @@ def finish_sync(cluster: Cluster, futures: list, data_ref) -> tuple[str, float]:
         raise MintError(f"weight sync: rollout actors hashed the learner's bytes to {len(set(ids))} different ids")
     if not ids:
         raise MintError("weight sync: every rollout actor died during the sync")
-    cluster.revision = (ids[0], data_ref)
     for i in dead:
         _reload(cluster, i, ids[0], data_ref)
     _count_restarts(cluster)
@@ -332,7 +328,6 @@ def submit_loads(cluster: Cluster, rev_id: str, data_ref) -> list:
     concurrency 1), so a rollout queued before this load samples with the old adapter and one queued after it with
     the new one: a load never lands in the middle of a step's rollout.
     """
-    cluster.revision = (rev_id, data_ref)
     return [actor.load_adapter.remote(rev_id, data_ref) for actor in cluster.rollouts]
 
 

@@ -211,7 +211,7 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
     stream = dataset.batches(config.rollout.prompts_per_step, config.grpo.seed, start=state.step)
     held_out = eval_set(config)
     if held_out and state.step == 0:  # a resumed run keeps the first eval its checkpoint holds
-        state.eval_first = evaluate(cluster, held_out, config, 0, rev.id)
+        state.eval_first = evaluate(cluster, held_out, config, 0, rev)
         logger.note(f"mint: eval before training: {_fmt(state.eval_first)}")
     pipe = RolloutPipeline(cluster, config, stream, rev.id, rev.ref, state.step)
     ahead: Begun | None = None  # the next step, begun before this one's publish (k >= 1)
@@ -266,7 +266,7 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
             metrics.update(staleness)
             every = config.eval.every
             if held_out and ((every and step % every == 0) or step == config.grpo.steps):
-                state.eval_last = evaluate(cluster, held_out, config, step, rev.id)
+                state.eval_last = evaluate(cluster, held_out, config, step, rev)
                 metrics.update(state.eval_last)
                 logger.note(f"mint: step {step}: eval {_fmt(state.eval_last)}")
             if config.logging.samples_every and step % config.logging.samples_every == 0:

@@ -29,19 +29,17 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def evaluate(cluster: Cluster, examples: list, config: Config, step: int, rev_id: str) -> dict[str, float]:
-    """eval_reward_mean, eval_pass@1 (and eval_pass@n) over the held-out prompts at revision `rev_id`.
+def evaluate(cluster: Cluster, examples: list, config: Config, step: int, rev) -> dict[str, float]:
+    """eval_reward_mean, eval_pass@1 (and eval_pass@n) over the held-out prompts at revision `rev`
+    (mint.train.step.Revision: its id, and its bytes in the object store).
 
     Recovered as a training rollout is (collect_rollout): a shard whose actor died, or was restarted by Ray and so
-    refuses with StaleRevision, is redone with the same seed once the actor holds `rev_id` again; a shard lost to an
-    engine server the run started is redone once the server is back."""
+    refuses with StaleRevision, is redone with the same seed once the actor holds `rev` again (loaded from its
+    bytes); a shard lost to an engine server the run started is redone once the server is back."""
     if not examples:
         return {}
     e = config.eval
-    # rev_id is the revision the actors were last handed (eval runs right after a publish or a restore), so its
-    # bytes, to load into a restarted actor, are the cluster's.
-    data_ref = cluster.revision[1] if cluster.revision and cluster.revision[0] == rev_id else None
-    call = submit_rollout(cluster, examples, EVAL_SEED + step * 1000, rev_id, data_ref, (e.samples, e.temperature))
+    call = submit_rollout(cluster, examples, EVAL_SEED + step * 1000, rev.id, rev.ref, (e.samples, e.temperature))
     rewards = collect_rollout(cluster, call)  # one list of n rewards per prompt
     n = e.samples
     passes = [sum(value >= e.pass_threshold for value in r) for r in rewards]
