@@ -1,9 +1,19 @@
 """LongStraw memory benchmark: measured peak memory and time of one GRPO update, naive vs detached vs exact.
 
-Usage (defaults are the issue's sizes; on a 2-core CPU pass smaller ones):
+Usage (the defaults are the full sizes; on a 2-core CPU pass smaller ones):
     python bench/longstraw_memory.py                                   # P=16384, G=8, R=256, CPU
     python bench/longstraw_memory.py --prompt-len 4096 --response-len 128
     python bench/longstraw_memory.py --device cuda --dtype bfloat16     # on a GPU machine
+    python bench/longstraw_memory.py --smoke                           # smoke-size learner steps, side by side
+
+--smoke times the learner step of recipes/smoke.toml (what `make run` trains) under both inner steps in one process:
+two world-size-1 learner ranks set up as a Ray rank is (DeepSpeed ZeRO-1 on gloo, the recipe's LoRA, one torch
+thread), one with learner.inner_step = naive and one with longstraw, each running `LearnerActor.step` (inner steps,
+reduction, optimizer step) on the same plans, in alternating order. A plan is one rank's share of a smoke step:
+prompts_per_step / num_ranks groups of real chat-templated prompts from the recipe's data, G responses of 2 ..
+max_tokens random tokens, on-policy rollout logprobs and recorded routes (R3), as the rollout hands them over. The
+JSON line gives both medians and `longstraw_over_naive_step_time` (target <= 1.5). Extra `section.key=value`
+arguments after --smoke override the recipe (e.g. longstraw.replay_budget_mb=0 for serial replay).
 
 Each configuration runs in a fresh Python process (`--worker`), so allocator caches of one cannot leak into another.
 In each, the model, LoRA and AdamW are built and one small warm-up update plus optimizer step is run (optimizer
@@ -37,6 +47,7 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -71,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--configs", default="naive,detached,exact", help="comma list of naive, detached, exact")
     ap.add_argument("--flat-groups", default="2,16", help="G pair for g_flatness (detached); empty to skip")
     ap.add_argument("--no-malloc-tune", action="store_true", help="CPU: keep glibc's dynamic mmap threshold")
+    ap.add_argument("--replay-budget-mb", type=float, default=64.0, help="LongStraw's replay micro-batch budget")
+    ap.add_argument("--smoke", nargs="*", default=None, metavar="KEY=VALUE", help="smoke-size learner steps")
+    ap.add_argument("--smoke-steps", type=int, default=40, help="--smoke: timed steps (after 3 untimed)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -154,7 +168,8 @@ def worker(args) -> dict:
     def step(tokens_P, responses, measure):
         if args.worker == "naive":
             return naive_step(model, tokens_P, responses, measure), None
-        spec = UpdateSpec(mode=args.worker, chunk_size=args.chunk, measure_graph=measure)
+        budget = int(args.replay_budget_mb * 2**20)
+        spec = UpdateSpec(mode=args.worker, chunk_size=args.chunk, measure_graph=measure, replay_budget_bytes=budget)
         return None, grpo_update(model, tokens_P, responses, objective, spec)
 
     step(*inputs(16, 2, 4), measure=False)  # warm-up: allocates AdamW state and warms the allocator
@@ -182,6 +197,8 @@ def worker(args) -> dict:
     if metrics is None:
         out["graph_bytes"] = naive_graph
         return out
+    # The replay term is the largest micro-batch's metered graph (the budget caps its estimate) plus the scoring
+    # transient of its rows.
     replay_term = metrics.graph_bytes_max + score_bytes
     bound = metrics.prefix_bytes + metrics.dkv_bytes + grad_bytes + max(replay_term, metrics.prompt_graph_bytes_max)
     out.update(
@@ -194,6 +211,7 @@ def worker(args) -> dict:
         replay_s=metrics.replay_s,
         prompt_backward_s=metrics.prompt_backward_s,
         engine_peak_bytes=metrics.peak_memory_bytes,
+        micro_batches=metrics.micro_batches,
     )
     return out
 
@@ -221,10 +239,97 @@ def mib(n) -> str:
     return f"{n / 2**20:9.1f} MiB"
 
 
+# -- smoke: both inner steps at the smoke recipe's sizes ----------------------------------------------------------
+
+
+def _smoke_plans(learner, config, steps: int, seed: int = 0) -> list:
+    """One rank's share of `steps` smoke steps (see the module doc), built once and replayed by both learners."""
+    from transformers import AutoTokenizer
+
+    from longstraw.routing import RouteRecorder
+    from mint.rl.data import load_dataset
+    from mint.train.inner_step import GroupBatch, MicroStep, StepPlan, _score_padded
+    from mint.train.rollout_actor import prompt_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(learner.model_path)
+    model, rollout = learner.engine.module, config.rollout
+    groups_per_rank = rollout.prompts_per_step // config.learner.num_ranks
+    examples = load_dataset(config.data.source).take(steps * groups_per_rank, seed)
+    gen = torch.Generator().manual_seed(seed)
+    plans = []
+    for s in range(steps):
+        groups = []
+        for example in examples[s * groups_per_rank : (s + 1) * groups_per_rank]:
+            prompt = torch.tensor(prompt_tokens(tokenizer, example))
+            lengths = torch.randint(2, rollout.max_tokens + 1, (rollout.group_size,), generator=gen).tolist()
+            responses = [torch.randint(len(tokenizer), (n,), generator=gen) for n in lengths]
+            routes = []
+            with RouteRecorder(model) as recorder, torch.no_grad():
+                for r in responses:
+                    model(input_ids=torch.cat([prompt, r[:-1]])[None])
+                    routes.append(recorder.pop().to(torch.uint8))
+            adv = torch.randn(len(responses), generator=gen)
+            group = GroupBatch(prompt, responses, [torch.zeros(n) for n in lengths], (adv - adv.mean()) / adv.std(),
+                               routes[0][: len(prompt) - 1], [r[len(prompt) - 1 :] for r in routes])  # fmt: skip
+            own, _ = _score_padded(learner.ctx, group, with_grad=False, routes=learner.ctx.group_routes(group))
+            groups.append(dataclasses.replace(group, rollout_logprobs=[lp.detach() for lp in own]))
+        tokens = sum(sum(g.lengths) for g in groups) * config.learner.num_ranks
+        seqs = len(groups) * rollout.group_size * config.learner.num_ranks
+        plans.append(StepPlan([MicroStep(g, True) for g in groups], tokens, seqs, step=s + 1))
+    return plans
+
+
+def smoke(args) -> dict:
+    import socket
+    import statistics
+
+    from mint.config import load_config
+    from mint.models.tiny import resolve_model_path
+    from mint.train.learner import LearnerActor
+
+    recipe = os.path.join(ROOT, "recipes", "smoke.toml")
+    learners = {}
+    for name in ("naive", "longstraw"):
+        config = load_config(recipe, [*args.smoke, "learner.num_ranks=1", f"learner.inner_step={name}"])
+        learners[name] = LearnerActor(config, resolve_model_path(config.model.path), 0, 1)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        learners[name].setup("127.0.0.1", port)
+    # The plans as the recipe's own ranks see them (its num_ranks, not the bench's one rank).
+    plans = _smoke_plans(learners["naive"], load_config(recipe, args.smoke), 3 + args.smoke_steps)
+    seconds = {name: [] for name in learners}
+    for s, plan in enumerate(plans):
+        for name in list(learners)[:: 1 if s % 2 else -1]:  # alternate who goes first
+            t0 = time.perf_counter()
+            learners[name].step(plan)
+            if s >= 3:
+                seconds[name].append(time.perf_counter() - t0)
+    median = {name: statistics.median(v) for name, v in seconds.items()}
+    ls = learners["longstraw"].config.longstraw
+    for name, v in seconds.items():
+        low, high = min(v) * 1e3, max(v) * 1e3
+        print(f"{name:10s} learner step median {median[name] * 1e3:7.1f} ms  (min {low:.1f}, max {high:.1f})")
+    return {
+        "mode": "smoke",
+        "longstraw_over_naive_step_time": round(median["longstraw"] / median["naive"], 3),
+        "naive_step_s_median": round(median["naive"], 4),
+        "longstraw_step_s_median": round(median["longstraw"], 4),
+        "longstraw_mode": ls.mode,
+        "replay_budget_mb": ls.replay_budget_mb,
+        "steps": args.smoke_steps,
+        "groups_per_step": len(plans[0].micro_steps),
+        "overrides": args.smoke,
+    }
+
+
 def main() -> None:
     args = parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
+        return
+    if args.smoke is not None:
+        print(json.dumps(smoke(args)))
         return
     runs = {c: run_worker(args, c, args.group) for c in args.configs.split(",") if c}
     flat = [int(g) for g in args.flat_groups.split(",") if g]
@@ -268,6 +373,7 @@ def main() -> None:
         "G": args.group,
         "R": args.response_len,
         "chunk": args.chunk,
+        "replay_budget_mb": args.replay_budget_mb,
         "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "head_dim", "experts")}
         | {"top_k": args.top_k, "vocab": args.vocab},
         "malloc_mmap_threshold": None if args.no_malloc_tune or args.device != "cpu" else 65536,

@@ -233,6 +233,8 @@ class ContextParallel:
     `group`. Every rank runs every chunk and every replay (collectives in lockstep); see the module doc."""
 
     group = None
+    # cp_prefix_attention merges one sequence's partials; replay micro-batches are not split over ranks yet.
+    batched_replay = False
 
     def _prefixes(self, state: CPKVState, length: int, grad: CPKVState | None) -> list[CPPrefix]:
         """Per layer: the local pages of positions < length, and whether this rank counts the own keys."""

@@ -3,8 +3,10 @@
 Phases, each its own function:
   capture   prefill prompt positions 0..P-2 in chunks, no autograd, no logits: the prefix state (K/V per layer).
   reference with the adapter disabled, capture the prompt again and score every response, no graph (need_ref).
-  replay    per response i, with autograd: run [t_{P-1}, r_0 .. r_{R_i-2}] at positions P-1 .. P+R_i-2 against the
-            prefix state, score r_0 .. r_{R_i-1}, call the caller's objective, backward, free the graph.
+  replay    per micro-batch of responses, with autograd: run each [t_{P-1}, r_0 .. r_{R_i-2}] at positions
+            P-1 .. P+R_i-2 against the prefix state (B rows padded to the longest, longstraw.replay), score
+            r_0 .. r_{R_i-1}, call the caller's objective per response, one backward for the micro-batch, free the
+            graph. spec.replay_budget_bytes sizes the micro-batches; 0 replays one response at a time.
   prompt    exact mode only: back-propagate the dK/dV accumulated over the G replays through the prompt, chunk by
             chunk from last to first.
 
@@ -31,7 +33,10 @@ from torch import nn
 from longstraw.adapters import Adapter, PrefixState, adapter_for
 from longstraw.errors import LongStrawError
 from longstraw.memory import GraphMeter, PeakMeter, module_storages
+from longstraw.replay import native_routes, plan_micro_batches, positions_hook, score_response, score_responses
 from longstraw.routing import RouteReplay, SequenceRoutes
+
+__all__ = ["PrefixCapture", "UpdateMetrics", "UpdateSpec", "capture_prefix", "grpo_update", "score_response"]
 
 MODES = ("detached", "exact", "resident")
 
@@ -79,6 +84,14 @@ class UpdateSpec:
     vocab_limit: int | None = field(
         default=None, metadata={"help": "Score only token ids below it (a padded LM head); None: every row."}
     )
+    replay_budget_bytes: int = field(
+        default=0,
+        metadata={
+            "help": "Bytes a replay micro-batch may save for backward, by the adapter's estimate: responses are "
+            "replayed together while their micro-batch fits (longstraw.replay); responses of checkpoint_min_tokens "
+            "or more replay alone. 0, or less than one response needs: one response at a time."
+        },
+    )
     kernels: str = field(
         default="auto",
         metadata={"help": "auto: Triton on CUDA, the kernels' torch reference on CPU; on: Triton; off: reference."},
@@ -97,6 +110,8 @@ class UpdateSpec:
             raise LongStrawError(f"UpdateSpec.checkpoint_min_tokens: must be >= 0, got {self.checkpoint_min_tokens}")
         if self.max_prefix_age < 0:
             raise LongStrawError(f"UpdateSpec.max_prefix_age: must be >= 0, got {self.max_prefix_age}")
+        if self.replay_budget_bytes < 0:
+            raise LongStrawError(f"UpdateSpec.replay_budget_bytes: must be >= 0, got {self.replay_budget_bytes}")
 
 
 @dataclass(frozen=True)
@@ -111,7 +126,7 @@ class UpdateMetrics:
     peak_memory_bytes: int | None  # measured peak above the level at entry (RSS on CPU, allocator on CUDA)
     prefix_bytes: int  # M_prefix: the captured state
     dkv_bytes: int  # exact mode's gradient buffer (fp32), else 0
-    graph_bytes_max: int  # M_graph: max over replays of bytes saved for backward (measure_graph), else 0
+    graph_bytes_max: int  # M_graph: max over replay micro-batches of bytes saved for backward (measure_graph)
     prompt_graph_bytes_max: int  # exact: max over prompt chunks of bytes saved for backward (measure_graph)
     prefix_age: int  # updates since the prefix was captured (0 unless resident)
     # Seconds per phase. These and peak_memory_bytes are None when the spec's `measure` is off.
@@ -119,6 +134,10 @@ class UpdateMetrics:
     ref_s: float | None
     replay_s: float | None
     prompt_backward_s: float | None
+    micro_batches: int = 0  # replay forwards (G when serial)
+    # R3 (routes given): per response, the expert ids the routers picked themselves in its replay, [R_i, L, k] on
+    # the model's device (the caller measures how far they are from the recorded routes); None without routes.
+    native_routes: tuple[torch.Tensor, ...] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -159,26 +178,20 @@ def grpo_update(
     capture: resident mode's kept prefix (see `capture_prefix`); it must match tokens_P.
     backward: how to run each backward (default `loss.backward()`); every backward here is on a scalar.
     routes: R3, the recorded expert ids per position; every forward of the update (capture, reference, replays,
-        prompt backward) replays them where they are usable (longstraw.routing.SequenceRoutes).
+        prompt backward) replays them where they are usable (longstraw.routing.SequenceRoutes), and the routers' own
+        picks in each response's replay come back in UpdateMetrics.native_routes.
+    Nothing else the caller passes is written to (resident mode's `capture` is kept on purpose: its age, and its
+    state when recaptured): the adapter runs as copies with the spec's options (`Adapter.with_options`), and the
+    routes are only read.
     """
     backward = backward or _plain_backward
-    with RouteReplay(model) if routes is not None else nullcontext() as replay:
-        adapter = adapter or adapter_for(model)
-        adapter.kernels = spec.kernels
-        adapter.checkpoint_min_tokens = spec.checkpoint_min_tokens
-        adapter.vocab_limit = spec.vocab_limit
-        adapter.on_positions = None if replay is None else (lambda start, n: replay.set(*routes.window(start, n)))
-        if routes is not None:
-            routes.replay = replay
-        try:
-            return _update(model, tokens_P, responses, objective, spec, adapter, capture, backward, routes)
-        finally:
-            adapter.on_positions = None
-            if routes is not None:
-                routes.replay = None
+    options = dict(kernels=spec.kernels, checkpoint_min_tokens=spec.checkpoint_min_tokens, vocab_limit=spec.vocab_limit)
+    adapter = (adapter or adapter_for(model)).with_options(**options)
+    with RouteReplay(model) if routes is not None else nullcontext() as hooks:
+        return _update(model, tokens_P, responses, objective, spec, adapter, capture, backward, routes, hooks)
 
 
-def _update(model, tokens_P, responses, objective, spec, adapter, capture, backward, routes) -> UpdateMetrics:
+def _update(model, tokens_P, responses, objective, spec, adapter, capture, backward, routes, hooks) -> UpdateMetrics:
     _check_tokens("tokens_P", tokens_P)
     if not responses:
         raise LongStrawError("grpo_update: no responses")
@@ -197,23 +210,29 @@ def _update(model, tokens_P, responses, objective, spec, adapter, capture, backw
     if meter is not None:
         meter.start()
     clock = _Clock(tokens_P.device, spec.measure)
-    ref_logps, ref_s = _score_reference(model, adapter, tokens_P, responses, spec, routes, clock)
+    lengths = [int(r.shape[0]) for r in responses]
+    budget, estimate = spec.replay_budget_bytes, adapter.replay_graph_bytes
+    batches = plan_micro_batches(lengths, budget, estimate, adapter.batched_replay, spec.checkpoint_min_tokens)
+    prompt = adapter.with_options(on_positions=positions_hook(hooks, routes, [0]))  # prompt rows: any response's
+    ref_logps, ref_s = _score_reference(
+        model, adapter, prompt, tokens_P, responses, batches, spec, routes, hooks, clock
+    )
 
     t0 = clock.now()
     age = 0
     if spec.mode == "resident":
         if spec.max_prefix_age and capture.age >= spec.max_prefix_age:
             capture.state = None  # free the stale prefix before the new one is allocated
-            capture.state, capture.age = adapter.capture(tokens_P[:-1], spec.chunk_size), 0
+            capture.state, capture.age = prompt.capture(tokens_P[:-1], spec.chunk_size), 0
         state, age = capture.state, capture.age
     else:
-        state = adapter.capture(tokens_P[:-1], spec.chunk_size)
+        state = prompt.capture(tokens_P[:-1], spec.chunk_size)
     grad = state.zeros_like() if spec.mode == "exact" else None
     capture_s = clock.since(t0)
 
     t0 = clock.now()
-    replay = (adapter, model, tokens_P, responses, objective, spec, state, grad, ref_logps, backward, routes)
-    loss, stats, graph_bytes = _replay(*replay)
+    replay = (adapter, model, tokens_P, responses, batches, objective, spec, state, grad, ref_logps, backward)
+    loss, stats, graph_bytes, natives = _replay(*replay, routes, hooks)
     replay_s = clock.since(t0)
 
     t0 = clock.now()
@@ -224,7 +243,7 @@ def _update(model, tokens_P, responses, objective, spec, adapter, capture, backw
         if spec.measure_graph:
             exclude = module_storages(model) | state.storages() | grad.storages()
             meter_factory = lambda: GraphMeter(exclude)
-        prompt_graph_bytes = adapter.backward_prompt(
+        prompt_graph_bytes = prompt.backward_prompt(
             tokens_P[:-1], state, grad, spec.chunk_size, meter_factory, backward=backward
         )
         del grad
@@ -248,68 +267,65 @@ def _update(model, tokens_P, responses, objective, spec, adapter, capture, backw
         ref_s=ref_s,
         replay_s=replay_s,
         prompt_backward_s=prompt_backward_s,
+        micro_batches=len(batches),
+        native_routes=tuple(natives) if natives is not None else None,
     )
 
 
-def score_response(
-    adapter: Adapter,
-    tokens_P: torch.Tensor,
-    response_R: torch.Tensor,
-    state: PrefixState,
-    grad: PrefixState | None,
-    constant_rows: int,
-    temperature: float,
-) -> torch.Tensor:
-    """logp_R [R] fp32 of `response_R` after the prompt, run against `state` (positions 0..P-2).
-
-    The forward covers [t_{P-1}, r_0 .. r_{R-2}]: row j predicts r_j. r_{R-1} is never fed (nothing reads its output).
-    """
-    inputs_T = torch.cat([tokens_P[-1:], response_R[:-1]])
-    hidden_T_Hd = adapter.forward(inputs_T, state, grad, constant_rows)
-    return adapter.logprobs(hidden_T_Hd, response_R, temperature)
-
-
-def _score_reference(model, adapter, tokens_P, responses, spec, routes, clock) -> tuple[list, float | None]:
+def _score_reference(model, adapter, prompt, tokens_P, responses, batches, spec, routes, hooks, clock):
     """Reference logprobs per response (adapter disabled, no graph), from its own capture, freed before returning."""
     if not spec.need_ref:
         return [None] * len(responses), 0.0 if spec.measure else None
     if not hasattr(model, "disable_adapter"):
         raise LongStrawError("need_ref: the model has no disable_adapter() (not a PEFT model)")
     t0 = clock.now()
+    ref_logps = [None] * len(responses)
     with model.disable_adapter(), torch.no_grad():
-        ref_state = adapter.capture(tokens_P[:-1], spec.chunk_size)
-        ref_logps = []
-        for i, r in enumerate(responses):
-            if routes is not None:
-                routes.current = i
-            ref_logps.append(score_response(adapter, tokens_P, r, ref_state, None, 0, spec.temperature))
+        ref_state = prompt.capture(tokens_P[:-1], spec.chunk_size)
+        for rows in batches:
+            rows_adapter = adapter.with_options(on_positions=positions_hook(hooks, routes, rows))
+            scored = score_responses(
+                rows_adapter, tokens_P, [responses[i] for i in rows], ref_state, None, 0, spec.temperature
+            )
+            for i, logp_R in zip(rows, scored, strict=True):
+                ref_logps[i] = logp_R
     del ref_state
     return ref_logps, clock.since(t0)
 
 
-def _replay(adapter, model, tokens_P, responses, objective, spec, state, grad, ref_logps, backward, routes):
-    """Serial replays with autograd; each graph is freed by its backward before the next response runs."""
+def _replay(
+    adapter, model, tokens_P, responses, batches, objective, spec, state, grad, ref_logps, backward, routes, hooks
+):
+    """Micro-batches of responses with autograd: one forward, the objective of each response, one backward of their
+    sum; each graph is freed by its backward before the next micro-batch runs. Returns (loss sum, stats sums,
+    largest metered graph, per-response native routes or None)."""
     constant_rows = 0 if spec.mode == "exact" else 1
     exclude = set()
     if spec.measure_graph:
         exclude = module_storages(model) | state.storages() | (grad.storages() if grad is not None else set())
+    natives = [None] * len(responses) if hooks is not None else None
     loss_sum, stats_sum, graph_bytes = 0.0, {}, 0
-    for i, response_R in enumerate(responses):
+    for b, rows in enumerate(batches):
+        rows_adapter = adapter.with_options(on_positions=positions_hook(hooks, routes, rows))
+        group = [responses[i] for i in rows]
         meter = GraphMeter(exclude) if spec.measure_graph else None
-        if routes is not None:
-            routes.current = i
         with meter if meter is not None else nullcontext():
-            logp_R = score_response(adapter, tokens_P, response_R, state, grad, constant_rows, spec.temperature)
-            loss, stats = objective(i, logp_R, ref_logps[i])
+            logps = score_responses(rows_adapter, tokens_P, group, state, grad, constant_rows, spec.temperature)
+            if natives is not None:
+                for i, native_R_L_K in zip(rows, native_routes(hooks, [len(r) for r in group]), strict=True):
+                    natives[i] = native_R_L_K
+            results = [objective(i, logp_R, ref_logps[i]) for i, logp_R in zip(rows, logps, strict=True)]
         if meter is not None:
             graph_bytes = max(graph_bytes, meter.nbytes)
-        if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            backward(loss, grad is None and i == len(responses) - 1, False)
-        loss_sum += float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-        for key, value in stats.items():
-            stats_sum[key] = stats_sum.get(key, 0.0) + float(value)
-        del logp_R, loss
-    return loss_sum, stats_sum, graph_bytes
+        live = [loss for loss, _ in results if isinstance(loss, torch.Tensor) and loss.requires_grad]
+        if live:
+            backward(live[0] if len(live) == 1 else sum(live), grad is None and b == len(batches) - 1, False)
+        for loss, stats in results:
+            loss_sum += float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+            for key, value in stats.items():
+                stats_sum[key] = stats_sum.get(key, 0.0) + float(value)
+        del logps, results, live
+    return loss_sum, stats_sum, graph_bytes, natives
 
 
 def _check_tokens(name: str, tokens: torch.Tensor) -> None:

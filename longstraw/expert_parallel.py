@@ -220,13 +220,8 @@ def _hidden_size(module: torch.nn.Module) -> int:
 
 
 def _forwarded(name: str):
-    def get(self):
-        return getattr(self.inner, name)
-
-    def set_(self, value):
-        setattr(self.inner, name, value)
-
-    return property(get, set_)
+    """The inner adapter's option, read-only: options change through `with_options`, never in place."""
+    return property(lambda self: getattr(self.inner, name))
 
 
 class LockstepAdapter:
@@ -253,12 +248,21 @@ class LockstepAdapter:
     checkpoint_min_tokens = _forwarded("checkpoint_min_tokens")
     vocab_limit = _forwarded("vocab_limit")
     on_positions = _forwarded("on_positions")
+    # One response per replay forward: ranks whose micro-batches differed would issue different MoE collectives.
+    batched_replay = False
 
     def __init__(self, inner, lockstep: Lockstep):
         self.inner = inner
         self.lockstep = lockstep
         # A capture / prompt chunk runs every layer but the last one's MLP (QwenAdapter._layers with full=False).
         self.chunk_experts = lockstep.layers_below(inner.num_layers - 1)
+
+    def with_options(self, **options) -> LockstepAdapter:
+        """The same lockstep over a copy of the inner adapter with `options` set (see Adapter.with_options)."""
+        return LockstepAdapter(self.inner.with_options(**options), self.lockstep)
+
+    def replay_graph_bytes(self, rows: int, tokens: int) -> int:
+        return self.inner.replay_graph_bytes(rows, tokens)
 
     def capture(self, tokens_S: torch.Tensor, chunk_size: int):
         n = _chunks(tokens_S.shape[0], chunk_size)
@@ -276,11 +280,8 @@ class LockstepAdapter:
         if not (torch.is_grad_enabled() and threshold > 0):
             return self.inner.forward(tokens_T, state, grad, constant_rows)
         (n_max,) = self.lockstep.agree_max(tokens_T.shape[0])
-        self.inner.checkpoint_min_tokens = 1 if n_max >= threshold else 0  # 1: every forward; 0: never
-        try:
-            return self.inner.forward(tokens_T, state, grad, constant_rows)
-        finally:
-            self.inner.checkpoint_min_tokens = threshold
+        agreed = self.inner.with_options(checkpoint_min_tokens=1 if n_max >= threshold else 0)  # 1: every; 0: never
+        return agreed.forward(tokens_T, state, grad, constant_rows)
 
     def logprobs(self, hidden_T_Hd: torch.Tensor, targets_T: torch.Tensor, temperature: float) -> torch.Tensor:
         return self.inner.logprobs(hidden_T_Hd, targets_T, temperature)
@@ -296,12 +297,9 @@ class LockstepAdapter:
         def real(loss, last, carries_scale):
             call(loss, last and pad == 0, carries_scale)
 
-        self.inner.checkpoint_min_tokens = 1 if checkpointed else 0
+        agreed = self.inner.with_options(checkpoint_min_tokens=1 if checkpointed else 0)
         before = self.lockstep.calls
-        try:
-            graph_bytes = self.inner.backward_prompt(tokens_S, state, grad, chunk_size, meter, real)
-        finally:
-            self.inner.checkpoint_min_tokens = threshold
+        graph_bytes = agreed.backward_prompt(tokens_S, state, grad, chunk_size, meter, real)
         # Each chunk runs its forward once, and again inside backward when checkpointed.
         self._check(before, n * (1 + checkpointed), "prompt backward")
         for k in range(pad):

@@ -6,6 +6,11 @@ the record of every window open on that device. Every meter here resets through 
 restarts the open `TensorPeak` windows, so the CPU meters see a reset exactly as CUDA's counter does and a test on
 CPU catches code that resets the peak where it should not. The rule that follows: the outermost caller that reports
 a peak (the learner, once per step) resets it; code nested inside never does (`UpdateSpec.measure=False`).
+
+What these meters check is LongStraw's bound (docs/longstraw.md, "Memory model"): prefix + gradients (+ exact mode's
+dK/dV) + the largest replay micro-batch's graph (`GraphMeter` around each micro-batch) + its scoring blocks. The
+micro-batch term is what `UpdateSpec.replay_budget_bytes` caps through the adapter's estimate; with no budget each
+micro-batch is one response, and the term is the longest response's graph, as before micro-batching.
 """
 
 from __future__ import annotations

@@ -11,12 +11,13 @@ the plain model. `RouterHooks` holds that lifecycle; `RouteRecorder` is the reco
 PyTorch uses a forward hook's non-None return value as the module's output.
 
 Supported routers are the transformers 5.x `*TopKRouter` / `*TopkRouter` modules whose forward returns
-`(router_logits, router_weights, router_indices)` with indices `[T, k]`: Qwen3-MoE, Qwen2-MoE and kin (softmax
-routing), and GLM-4.5 (`Glm4MoeTopkRouter`: sigmoid routing with a score-correction bias and group-limited top-k,
-which picks the experts inside the router in the installed transformers). Replay recomputes the weights of the
-replayed ids by each router's own rule (`replay_weights`). A router of that name that returns something else (older
-transformers releases had GLM's router return logits only and its block pick the experts) is found but fails loudly
-on the first hooked forward instead of recording garbage; so does replay on a biased router whose rule is unverified.
+`(router_logits, router_weights, router_indices)` with indices `[T, k]` and whose weight rule is in `ROUTER_RULES`:
+Qwen2/Qwen3-MoE and Qwen3-Next (softmax, renormalized when norm_topk_prob), Qwen3.5-MoE (softmax, always
+renormalized), GLM-4.5 (sigmoid ranked with a score-correction bias and group-limited top-k, weighed unbiased) and
+MiniMax-M2 (sigmoid, the bias on its block). Replay recomputes the weights of the replayed ids by each router's own
+rule (`replay_weights`); replay refuses a router class without a rule (`check_replayable`), recording takes any.
+A router of a known name that returns something else (older transformers releases had GLM's router return logits
+only) fails loudly on the first hooked forward instead of recording garbage.
 """
 
 from __future__ import annotations
@@ -29,16 +30,12 @@ import torch
 from torch import nn
 
 from longstraw.errors import LongStrawError
+from longstraw.router_rules import check_replayable, replay_weights
 
 ROUTE_REASONS = ("route_missing", "route_layers", "route_layout", "route_out_of_range", "route_duplicate")
 
 # Matched case-insensitively against the class name: transformers spells both "TopKRouter" and "TopkRouter".
 _ROUTER_CLASS_SUFFIX = "topkrouter"
-# Routers that score experts by sigmoid, rank them by score + e_score_correction_bias within the best groups, and weigh
-# them by the unbiased scores (GLM-4.5's `Glm4MoeTopkRouter.forward`, transformers 5.x); see `replay_weights`.
-_SIGMOID_ROUTERS = ("Glm4MoeTopkRouter",)
-# GLM's router adds this to the top-k sum before dividing (transformers' Glm4MoeTopkRouter); kept for bit-equal weights.
-_SIGMOID_NORM_EPS = 1e-20
 
 
 def find_routers(model: nn.Module) -> list[nn.Module]:
@@ -169,15 +166,16 @@ class RouteReplay(RouterHooks):
             model(input_ids_B_S)
             native_T_L_K = replay.native()    # what the routers would have picked (for the out-of-route ratio)
 
-    For a token with `ok_T` true the experts are the recorded ids; their weights are recomputed from the learner's own
-    router logits by the router's own rule (`replay_weights`: softmax for Qwen-MoE, unbiased sigmoid times
-    routed_scaling_factor for GLM-4.5). So the LoRA experts that run are the ones the rollout used, and gradients
-    still reach a trainable router. A token with `ok_T` false keeps the router's native choice; the caller gives it
-    weight 0 in the policy gradient (it is counted, never silently scored under another path).
+    For a token with `ok_T` true the experts are the recorded ids; their weights are recomputed from the learner's
+    own router logits by the router's own rule (`replay_weights`, `ROUTER_RULES`; a router without one is refused
+    here). So the LoRA experts that run are the ones the rollout used, and gradients still reach a trainable router.
+    A token with `ok_T` false keeps the router's native choice; the caller gives it weight 0 in the policy gradient
+    (it is counted, never silently scored under another path).
     """
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
+        check_replayable(self.routers)
         self._routes_T_L_K: torch.Tensor | None = None
         self._ok_T: torch.Tensor | None = None
         self._native: list[torch.Tensor | None] = [None] * len(self.routers)
@@ -210,60 +208,28 @@ class RouteReplay(RouterHooks):
         return logits_T_E, replay_weights(module, logits_T_E, ids_T_K), ids_T_K
 
 
-def replay_weights(router: nn.Module, logits_T_E: torch.Tensor, ids_T_K: torch.Tensor) -> torch.Tensor:
-    """weights_T_K that `router` gives experts `ids_T_K`, from its logits_T_E, by the rule it uses for its own top-k.
-
-    Softmax routers (Qwen3-MoE, Qwen2-MoE):
-        w = softmax(logits)[ids], then w / sum(w) when norm_topk_prob.
-    Sigmoid routers (GLM-4.5): s = sigmoid(logits). The router picks its top-k by s + e_score_correction_bias within
-    its best topk_group of n_group groups, but the bias and the groups only rank; the weights are
-        w = s[ids], then w / (sum(w) + 1e-20) when norm_topk_prob, then w * routed_scaling_factor.
-    For the router's own ids this is its own output; for replayed ids it is what it would have weighed them with.
-    Returned in the logits' dtype (fp32 for GLM, whose router computes in fp32), with autograd to the router.
-    """
-    name = type(router).__name__
-    if name in _SIGMOID_ROUTERS:
-        scores_T_E = logits_T_E.float().sigmoid()
-        weights_T_K = scores_T_E.gather(-1, ids_T_K)
-        if router.norm_topk_prob:
-            weights_T_K = weights_T_K / (weights_T_K.sum(dim=-1, keepdim=True) + _SIGMOID_NORM_EPS)
-        weights_T_K = weights_T_K * router.routed_scaling_factor
-    elif hasattr(router, "e_score_correction_bias"):
-        raise LongStrawError(
-            f"{name} ranks experts with a score-correction bias but its weight rule is not verified for route "
-            f"replay; supported biased routers: {', '.join(_SIGMOID_ROUTERS)}"
-        )
-    else:
-        probs_T_E = torch.softmax(logits_T_E.float(), dim=-1)
-        weights_T_K = probs_T_E.gather(-1, ids_T_K)
-        if getattr(router, "norm_topk_prob", False):
-            weights_T_K = weights_T_K / weights_T_K.sum(dim=-1, keepdim=True)
-    return weights_T_K.to(logits_T_E.dtype)
-
-
 @dataclass
 class SequenceRoutes:
     """Recorded routes by absolute position for one prompt and its G responses, for replay in piecewise forwards.
 
-    Prompt positions 0..P-2 read `prompt_routes_S_L_K`; position P-1+j of response `current` reads row j of its
-    routes (the rollout convention: row j is the forward that produced token j). `ok` masks say which rows are
-    usable; the others keep native routing.
+    Prompt positions 0..P-2 read `prompt_routes_S_L_K`; position P-1+j of response i reads row j of its routes
+    (the rollout convention: row j is the forward that produced token j). `ok` masks say which rows are usable; the
+    others keep native routing. The engine reads windows only (longstraw.replay.route_window) and never writes here.
     """
 
     prompt_routes_S_L_K: torch.Tensor  # [P-1, L, k] any integer dtype (GroupRoutes stores the id dtype)
     prompt_ok_S: torch.Tensor  # [P-1] bool
     responses: list[tuple[torch.Tensor, torch.Tensor]]  # G x ([R_i, L, k], [R_i] bool), views, never copies
-    current: int = 0
-    replay: RouteReplay | None = None  # set by the engine while it replays; .native() reads the latest forward
+    current: int = 0  # the response `window` reads when it is given none
 
-    def window(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(routes [n, L, k] int64, ok [n]) for positions start .. start + n - 1 of response `current`.
+    def window(self, start: int, n: int, response: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routes [n, L, k] int64, ok [n]) for positions start .. start + n - 1 of `response` (default `current`).
 
         Called before every forward, so it touches only the window: a slice of the prompt rows, of the response's
         rows, or both joined over the window. Joining the whole prompt per call cost O(P) per forward (a 16k
         prompt's ids widened to int64 are 50 MB, rebuilt for every chunk).
         """
-        routes_R_L_K, ok_R = self.responses[self.current]
+        routes_R_L_K, ok_R = self.responses[self.current if response is None else response]
         p1 = self.prompt_routes_S_L_K.shape[0]
         end = start + n
         if start < 0 or end > p1 + len(routes_R_L_K):

@@ -8,6 +8,7 @@ state type; the engine does not change.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
@@ -64,6 +65,9 @@ class KVState:
         return KVState(torch.zeros_like(self.k_L_Hkv_S_D, dtype=dtype), torch.zeros_like(self.v_L_Hkv_S_D, dtype=dtype))
 
 
+_OPTIONS = ("kernels", "checkpoint_min_tokens", "vocab_limit", "on_positions")
+
+
 class Adapter(ABC):
     """Runs one architecture's decoder piecewise: prompt capture, replay against a prefix, prompt backward.
 
@@ -71,11 +75,15 @@ class Adapter(ABC):
     prefix state must hold exactly positions 0 .. start - 1. Submodules are the model's own (PEFT-wrapped) modules,
     so LoRA on attention and on fused experts is live, and router hooks (R3) fire as in a plain forward.
 
-    `on_positions(start, T)`, when the engine sets it, is called before every forward over positions
-    start .. start + T - 1 (R3 uses it to hand the routers that window's recorded routes).
+    `on_positions(start, T)`, when set, is called before every forward over positions start .. start + T - 1 (R3
+    uses it to hand the routers that window's recorded routes). The engine never sets an option on the adapter it
+    is given: it runs a copy made by `with_options`, one per phase or micro-batch.
     """
 
     on_positions = None
+    # True where forward() takes a [B, T] batch of responses against one prefix (a replay micro-batch) and
+    # replay_graph_bytes estimates its graph; False: the engine replays one response at a time.
+    batched_replay = False
     # Which implementation of longstraw.kernels runs (there is one per op): "auto" Triton for CUDA tensors and the
     # torch reference on CPU; "on" always Triton (CUDA, or CPU under TRITON_INTERPRET=1); "off" always the reference.
     kernels = "auto"
@@ -83,6 +91,22 @@ class Adapter(ABC):
     checkpoint_min_tokens = 0
     # Score only ids below this (a padded LM head's rows past the tokenizer are never sampled); None: all rows.
     vocab_limit = None
+
+    def with_options(self, **options) -> Adapter:
+        """A copy with `options` (kernels, checkpoint_min_tokens, vocab_limit, on_positions) set; self is unchanged.
+        The copy shares the model's modules: it costs a dict copy."""
+        unknown = [name for name in options if name not in _OPTIONS]
+        if unknown:
+            raise TypeError(f"unknown adapter options {unknown}; known: {', '.join(_OPTIONS)}")
+        twin = copy.copy(self)
+        for name, value in options.items():
+            setattr(twin, name, value)
+        return twin
+
+    def replay_graph_bytes(self, rows: int, tokens: int) -> int:
+        """Estimated bytes a forward with autograd over `rows` responses of `tokens` tokens saves for backward: what
+        sizes replay micro-batches. Needed where `batched_replay` is True."""
+        raise NotImplementedError(f"{type(self).__name__} does not estimate its replay graph")
 
     @abstractmethod
     def capture(self, tokens_S: torch.Tensor, chunk_size: int) -> PrefixState:
@@ -94,6 +118,9 @@ class Adapter(ABC):
     ) -> torch.Tensor:
         """Final-norm hidden states hidden_T_Hd of tokens at positions state.length .. , with autograd.
 
+        tokens [T], or [B, T] when `batched_replay` (B sequences at the same positions against the one state; the
+        hidden states are then [B, T, Hd]).
+
         grad: a buffer like `state` that receives d(loss)/d(state) during backward (exact mode), or None (the state
         is a constant). constant_rows: the first rows' own state (K/V) is detached, i.e. treated as a constant
         like the prefix (detached mode treats the last prompt position this way).
@@ -101,7 +128,8 @@ class Adapter(ABC):
 
     @abstractmethod
     def logprobs(self, hidden_T_Hd: torch.Tensor, targets_T: torch.Tensor, temperature: float) -> torch.Tensor:
-        """logp_T [T] fp32: log softmax(lm_head(hidden) / temperature)[target], without saving [T, V] logits."""
+        """logp_T [T] fp32: log softmax(lm_head(hidden) / temperature)[target], without saving [T, V] logits.
+        Leading batch dims pass through: hidden [B, T, Hd], targets [B, T] -> [B, T]."""
 
     @abstractmethod
     def backward_prompt(

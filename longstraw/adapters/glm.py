@@ -37,20 +37,15 @@ class GlmAdapter(QwenAdapter):
         return bool(self.decoder.layers[0].self_attn.use_qk_norm)
 
     def _qkv(self, attn: nn.Module, x_T_Hd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q_Hkv_G_T_D, k_Hkv_T_D, v_Hkv_T_D for normed inputs x_T_Hd: optional q/k norm, then partial RoPE.
+        """q [..., H_kv, G, T, D], k/v [..., H_kv, T, D] for normed inputs x [..., T, Hd]: optional q/k norm (and the
+        projections' bias, live through the modules), then partial RoPE.
 
         cos/sin are [T, rotary_dim] with rotary_dim <= head_dim (Glm4MoeRotaryEmbedding builds them for the rotated
         part only); as in transformers' `apply_rotary_pos_emb`, dims [0, rotary_dim) rotate and the rest pass through.
         """
-        t = x_T_Hd.shape[0]
-        q = attn.q_proj(x_T_Hd).view(t, self.num_heads, self.head_dim)
-        k = attn.k_proj(x_T_Hd).view(t, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(x_T_Hd).view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        q, k, v = self._projections(attn, x_T_Hd)
         q, k = _partial_rope(q, cos, sin), _partial_rope(k, cos, sin)
-        return q.reshape(self.num_kv_heads, self.groups, t, self.head_dim), k, v
+        return q.unflatten(-3, (self.num_kv_heads, self.groups)), k, v
 
 
 def _partial_rope(x_H_T_D: torch.Tensor, cos_T_R: torch.Tensor, sin_T_R: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class QwenAdapter(Adapter):
     families = FAMILIES  # a subclass for another family names its own and overrides the per-family pieces
+    batched_replay = True
 
     def __init__(self, model: nn.Module):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -51,6 +52,7 @@ class QwenAdapter(Adapter):
         layer_types = getattr(config, "layer_types", None) or []
         if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
             raise LongStrawError("sliding-window attention is not supported by LongStraw yet")
+        self.config = config
         self.decoder = base.model
         self.lm_head = base.lm_head
         self.num_heads = config.num_attention_heads
@@ -69,30 +71,37 @@ class QwenAdapter(Adapter):
     # -- pieces --------------------------------------------------------------------------------------------------
 
     def _rope(self, hidden_T_Hd: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        t = hidden_T_Hd.shape[0]
+        """cos, sin [T, D] at positions start .. start + T - 1 (hidden [..., T, Hd]: every batch row shares them)."""
+        t = hidden_T_Hd.shape[-2]
         positions = torch.arange(start, start + t, device=hidden_T_Hd.device).unsqueeze(0)
         cos, sin = self.decoder.rotary_emb(hidden_T_Hd, positions)
         return cos[0], sin[0]  # [T, D]
 
-    def _qkv(self, attn: nn.Module, x_T_Hd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q_Hkv_G_T_D, k_Hkv_T_D, v_Hkv_T_D for normed inputs x_T_Hd (k-norm and RoPE applied)."""
-        t = x_T_Hd.shape[0]
-        q = attn.q_proj(x_T_Hd).view(t, self.num_heads, self.head_dim)
-        k = attn.k_proj(x_T_Hd).view(t, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(x_T_Hd).view(t, self.num_kv_heads, self.head_dim)
+    def _projections(self, attn: nn.Module, x_T_Hd: torch.Tensor):
+        """q [..., H, T, D], k/v [..., H_kv, T, D] for normed inputs x [..., T, Hd], q/k norm applied, no RoPE."""
+        lead, t = x_T_Hd.shape[:-2], x_T_Hd.shape[-2]
+        q = attn.q_proj(x_T_Hd).view(*lead, t, self.num_heads, self.head_dim)
+        k = attn.k_proj(x_T_Hd).view(*lead, t, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x_T_Hd).view(*lead, t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        return q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)
+
+    def _qkv(self, attn: nn.Module, x_T_Hd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [..., H_kv, G, T, D], k/v [..., H_kv, T, D] for normed inputs x [..., T, Hd] (k-norm and RoPE applied);
+        the leading dims are the replay's micro-batch rows (none for one sequence)."""
+        q, k, v = self._projections(attn, x_T_Hd)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        return q.reshape(self.num_kv_heads, self.groups, t, self.head_dim), k, v
+        return q.unflatten(-3, (self.num_kv_heads, self.groups)), k, v
 
     def _attend(self, attn: nn.Module, q, k, v, prefix: KVPrefix) -> torch.Tensor:
-        t = q.shape[2]
+        lead, t = q.shape[:-4], q.shape[-2]
         # Query head h = kv * G + g reads K/V head h // G, the kernel's GQA convention; in exact mode the kernel adds
-        # the prefix dK/dV into the buffers during backward.
+        # the prefix dK/dV into the buffers during backward. Batch rows (a replay micro-batch) share the prefix: the
+        # kernel reads one [H_kv, S, D] prefix for all of them and sums their prefix dK/dV into the one buffer.
         out_H_T_D = kernels.prefix_attention(
-            q.reshape(self.num_heads, t, self.head_dim),
+            q.flatten(-4, -3),
             prefix.k,
             prefix.v,
             k,
@@ -102,20 +111,21 @@ class QwenAdapter(Adapter):
             dv_prefix_acc=prefix.grad_v,
             force=_FORCE[self.kernels],
         )
-        return attn.o_proj(out_H_T_D.transpose(0, 1).reshape(t, -1))
+        return attn.o_proj(out_H_T_D.transpose(-3, -2).reshape(*lead, t, -1))
 
     @staticmethod
     def _mlp(layer: nn.Module, h_T_Hd: torch.Tensor) -> torch.Tensor:
-        # MoE blocks read (batch, seq, hidden) from the input shape.
-        return h_T_Hd + layer.mlp(layer.post_attention_layernorm(h_T_Hd).unsqueeze(0)).squeeze(0)
+        # MoE blocks read (batch, seq, hidden) from the input shape and route its tokens flattened row-major.
+        x = layer.post_attention_layernorm(h_T_Hd)
+        return h_T_Hd + (layer.mlp(x) if x.dim() == 3 else layer.mlp(x.unsqueeze(0)).squeeze(0))
 
     def _layer(self, layer: nn.Module, h, cos, sin, prefix: KVPrefix, constant_rows: int, kv_only: bool):
         """One decoder layer over h_T_Hd: (h_out or None when kv_only, k_Hkv_T_D, v_Hkv_T_D)."""
         attn = layer.self_attn
         q, k, v = self._qkv(attn, layer.input_layernorm(h), cos, sin)
         if constant_rows:
-            k = torch.cat([k[:, :constant_rows].detach(), k[:, constant_rows:]], dim=1)
-            v = torch.cat([v[:, :constant_rows].detach(), v[:, constant_rows:]], dim=1)
+            k = torch.cat([k[..., :constant_rows, :].detach(), k[..., constant_rows:, :]], dim=-2)
+            v = torch.cat([v[..., :constant_rows, :].detach(), v[..., constant_rows:, :]], dim=-2)
         if kv_only:
             return None, k, v
         h = h + self._attend(attn, q, k, v, prefix)
@@ -127,14 +137,15 @@ class QwenAdapter(Adapter):
         full=False stops after the last layer's K/V: prompt positions need nothing past that. With autograd on and
         at least `checkpoint_min_tokens` tokens, each layer is checkpointed: the graph keeps the layer's input and
         its K/V instead of every activation inside it, and backward recomputes the layer (routes replay the same
-        way: the R3 window set below is still the current one when backward runs).
+        way: the R3 window set below is still the current one when backward runs). tokens may be [B, T] (a replay
+        micro-batch, every row at the same positions); the threshold counts a row's T tokens (the engine replays
+        rows that reach it one at a time, longstraw.replay).
         """
-        n = tokens_T.shape[0]
         if self.on_positions is not None:
-            self.on_positions(start, n)
+            self.on_positions(start, tokens_T.shape[-1])
         h = self.decoder.embed_tokens(tokens_T)
         cos, sin = self._rope(h, start)
-        checkpointed = torch.is_grad_enabled() and 0 < self.checkpoint_min_tokens <= n
+        checkpointed = torch.is_grad_enabled() and 0 < self.checkpoint_min_tokens <= tokens_T.shape[-1]
         kv = []
         for i, layer in enumerate(self.decoder.layers):
             kv_only = not full and i == self.num_layers - 1
@@ -159,6 +170,27 @@ class QwenAdapter(Adapter):
         return out
 
     # -- the Adapter API -----------------------------------------------------------------------------------------
+
+    def replay_graph_bytes(self, rows: int, tokens: int) -> int:
+        """rows x tokens x bytes per token that an uncheckpointed forward saves for backward (the engine batches only
+        rows below checkpoint_min_tokens), from the widths of the layers, per token: 3 x (hidden + q + 2 kv widths)
+        per layer for attention, 3 x (k x (hidden + 3 I) + E, plus hidden + 3 I_s for a shared expert) per MoE
+        block, 3 x (hidden + 3 I) per dense one, and 3 x hidden for the head. The factor 3 covers what norms, LoRA
+        and routing save beside the matmul inputs. On the tiny Qwen3-MoE, Qwen2-MoE and GLM-4.5 this is 1x to 2x
+        the metered bytes (tests/test_replay_batch.py)."""
+        config, hd = self.config, self.config.hidden_size
+        attention = hd + (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        moe_i = getattr(config, "moe_intermediate_size", 0)
+        experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", 0)
+        shared = getattr(config, "shared_expert_intermediate_size", 0) or getattr(config, "n_shared_experts", 0) * moe_i
+        moe = (
+            getattr(config, "num_experts_per_tok", 0) * (hd + 3 * moe_i) + experts + (hd + 3 * shared if shared else 0)
+        )
+        dense = hd + 3 * getattr(config, "intermediate_size", 0)
+        per_token = sum(
+            3 * (attention + (moe if hasattr(layer.mlp, "experts") else dense)) for layer in self.decoder.layers
+        )
+        return rows * tokens * (per_token + 3 * hd) * self.decoder.embed_tokens.weight.element_size()
 
     def capture(self, tokens_S: torch.Tensor, chunk_size: int) -> KVState:
         s_len = tokens_S.shape[0]
@@ -185,7 +217,9 @@ class QwenAdapter(Adapter):
             # past vocab_limit are cut as a view, the same cut the rollout engine samples with.
             force = _FORCE[self.kernels]
             weight = head.weight[: self.vocab_limit]
-            return kernels.fused_logprob(hidden_T_Hd, weight, targets_T, temperature, force=force)[0]
+            flat_T_Hd, flat_T = hidden_T_Hd.reshape(-1, hidden_T_Hd.shape[-1]), targets_T.reshape(-1)
+            logp_T = kernels.fused_logprob(flat_T_Hd, weight, flat_T, temperature, force=force)[0]
+            return logp_T.view(targets_T.shape)
         logits = head(hidden_T_Hd)[..., : self.vocab_limit]  # a trained or biased head: plain logits
         return token_logprobs(logits, targets_T, temperature)
 

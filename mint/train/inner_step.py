@@ -1,8 +1,9 @@
 """The learner's work on one group (a prompt and its G responses): the two inner steps and what they share.
 
     naive      one padded full-sequence forward of the G sequences, then one backward
-    longstraw  LongStraw: capture the prompt once without a graph, replay each response with autograd, backward
-               each, and (exact mode) back-propagate the prompt chunk by chunk
+    longstraw  LongStraw: capture the prompt once without a graph, replay the responses with autograd in
+               micro-batches sized by a memory budget, backward each, and (exact mode) back-propagate the prompt
+               chunk by chunk
 
 Both score with the same objective (`GroupObjective`: trust mask, PPO-clip with KL, global aggregation weights), so
 in exact mode their gradients are equal (tests/test_inner_step.py holds them to 1e-6). DeepSpeed owns every backward
@@ -34,11 +35,10 @@ from longstraw.scoring import token_logprobs
 from longstraw.trust import TrustCounts, icepop_status, out_of_route, trust_mask
 from mint.config import Config, norm_constant
 from mint.rl.grpo import LossSpec, per_token_objective, token_weights
-from mint.wire import TensorsAsArrays
 
 
 @dataclass(frozen=True)
-class GroupBatch(TensorsAsArrays):
+class GroupBatch:
     """One prompt and its G responses, as the learner needs them (its tensors cross Ray as numpy arrays)."""
 
     prompt_tokens_P: torch.Tensor  # int64 [P]
@@ -130,7 +130,7 @@ class StepContext:
 
         carries_scale: the scalar was built from gradients of earlier backward calls (LongStraw's prompt surrogate
         <out, dL/dout>), which already carry DeepSpeed's fp16 loss scale S; engine.backward multiplies by S again,
-        so it is divided out here. Without this the prompt path's gradient came out S times too large (issue 9).
+        so it is divided out here. Without this the prompt path's gradient came out S times too large.
 
         Under expert parallel no inner backward is a boundary: a rank may still serve its EP peers' backward after
         its own last one, so the reduction waits for `end_accumulation`, which every rank calls at the same point.
@@ -212,11 +212,9 @@ class GroupObjective:
         ratio_status = icepop_status(old_R, rollout_R, grpo.icepop_alpha, grpo.icepop_beta) if grpo.icepop else None
         status_R = self.route_status_G[i] if grpo.r3 else torch.zeros_like(self.route_status_G[i])
         mask_R, counts = trust_mask(status_R.to(device), ratio_status, old_R, rollout_R)
-        if native_R_L_K is not None and group.routes is not None and group.routes[i] is not None:
-            # Only positions with a usable route are compared; a malformed payload has none (all statuses nonzero).
-            status = self.route_status_G[i]
-            counts.out_of_route, counts.routed = out_of_route(native_R_L_K.cpu(), group.routes[i], status)
         self.trust.add(counts)
+        if native_R_L_K is not None:
+            self.count_out_of_route(i, native_R_L_K)
         adv_R = group.adv_G[i].to(device).expand_as(logp_R)
         # Off-policy (rollout.max_staleness > 0): the samples came from an older revision, so the PPO ratio is taken
         # against the rollout's logprobs (the behaviour policy); on-policy the learner's own first pass is used.
@@ -230,6 +228,16 @@ class GroupObjective:
         self.sums["kl"] += float(st["kl_T"][kept].sum())
         self.sums["clipped"] += float(st["clipped_T"][kept].float().sum())
         return contribution
+
+    def count_out_of_route(self, i: int, native_R_L_K: torch.Tensor) -> None:
+        """Count response i's tokens whose routers, left to themselves, picked other experts than the rollout did."""
+        group = self.group
+        if group.routes is not None and group.routes[i] is not None:
+            # Only positions with a usable route are compared; a malformed payload has none (all statuses nonzero).
+            status = self.route_status_G[i]
+            out, routed = out_of_route(native_R_L_K.cpu(), group.routes[i], status)
+            self.trust.out_of_route += out
+            self.trust.routed += routed
 
     def stats(self) -> dict:
         return {**self.sums, "trust": self.trust}
@@ -299,7 +307,8 @@ def naive_group_step(ctx: StepContext, micro: MicroStep, plan: StepPlan, old: li
 def longstraw_group_step(
     ctx: StepContext, micro: MicroStep, plan: StepPlan, old: list[torch.Tensor] | None, last: bool
 ):
-    """LongStraw: capture the prompt once, replay each response with autograd and backward it, one at a time."""
+    """LongStraw: capture the prompt once, replay the responses with autograd in micro-batches (longstraw.replay:
+    as many per forward as `longstraw.replay_budget_mb` allows), one backward each."""
     group = micro.group
     routes = ctx.group_routes(group)
     # With R3 off every ok is False: the routers run natively, and the replay still measures out-of-route.
@@ -312,8 +321,7 @@ def longstraw_group_step(
         if i >= len(logp):  # an expert-parallel stand-in: its backward only keeps the EP group in step
             return logp_R.sum() * 0.0, {}
         logp[i] = logp_R.detach()
-        native = sequence.replay.native() if sequence is not None and sequence.replay is not None else None
-        return objective.response_loss(i, logp_R, ref_R, old, native) * weight, {}
+        return objective.response_loss(i, logp_R, ref_R, old, None) * weight, {}
 
     def backward(loss: torch.Tensor, final: bool, carries_scale: bool = False) -> None:
         ctx.backward(loss, boundary=last and final, carries_scale=carries_scale)
@@ -344,6 +352,7 @@ def longstraw_group_step(
         checkpoint_min_tokens=ls.checkpoint_min_tokens,
         vocab_limit=ctx.vocab_limit,
         kernels=ls.kernels,
+        replay_budget_bytes=int(ls.replay_budget_mb * 2**20),
         # The update's own metrics are not read here. Measuring them cost 8 to 10 CUDA synchronizes per group (two
         # per timed phase, two for its peak meter) and reset the device peak the learner meters over the whole step.
         measure=False,
@@ -352,7 +361,7 @@ def longstraw_group_step(
     capture = None
     if ls.mode == "resident":
         capture = ctx.captures.get(model, group.prompt_tokens_P, ls.chunk_size, ctx.device)
-    grpo_update(
+    metrics = grpo_update(
         model,
         group.prompt_tokens_P.to(ctx.device),
         responses,
@@ -363,6 +372,9 @@ def longstraw_group_step(
         backward=backward,
         routes=sequence,
     )
+    if metrics.native_routes is not None:  # what the routers picked on their own, response by response
+        for i in range(len(logp)):
+            objective.count_out_of_route(i, metrics.native_routes[i])
     return objective.stats(), logp
 
 
