@@ -1,9 +1,9 @@
 """Mint against a real vLLM: vLLM's CPU build (`make engines`) serving the dense tiny Qwen3 in fp32, LoRA hot-loaded.
 
-One vLLM server is started on 127.0.0.1 with Mint's default launch line (`launch_argv`, as `rollout.engines` starts
+One vLLM server is started on 127.0.0.1 with Mint's default launch line (`launch_argv`, as `engines.start` starts
 it), then:
 
-1. a GRPO run (`recipes/smoke.toml` on `tiny:qwen3`, one learner rank) rolls out on it through `rollout.urls`: every
+1. a GRPO run (`recipes/smoke.toml` on `tiny:qwen3`, one learner rank) rolls out on it through `engines.urls`: every
    step's revision is loaded in place before the step's rollout, and the learner logs `logp_diff_max`, the largest
    |learner - engine| logprob of the engine's tokens. `vllm_vs_learner_logprob_maxdiff` is its maximum over the steps
    after the first (from step 2 on the adapter is no longer the zero-B initial one); the reward curve is the run's.
@@ -60,7 +60,7 @@ def main() -> None:
     from mint.rollout.backends.builtin import BuiltinBackend
     from mint.rollout.engine import RolloutEngine, SamplingParams
     from mint.train.driver import train
-    from mint.train.engines import EngineServer
+    from mint.train.engine_servers import EngineServer
     from mint.train.rollout_actor import prompt_tokens
 
     engine_bin = Path(args.engine_env) / "bin"
@@ -74,8 +74,8 @@ def main() -> None:
         f"grpo.steps={args.steps}",
         "learner.num_ranks=1",
         "rollout.backend=vllm",
-        "rollout.engines=1",
-        f"rollout.engine_path={engine_bin}",
+        "engines.start=1",
+        f"engines.path={engine_bin}",
         f"logging.root={work}",
         "logging.name=parity",
         "logging.progress=false",
@@ -93,8 +93,8 @@ def main() -> None:
         # 1. the run, rolling out on that server
         config = load_config(
             ROOT / "recipes/smoke.toml",
-            [o for o in overrides if not o.startswith(("rollout.engines", "rollout.engine_path"))]
-            + [f"rollout.urls={json.dumps([url])}"],
+            [o for o in overrides if not o.startswith(("engines.start", "engines.path"))]
+            + [f"engines.urls={json.dumps([url])}"],
         )
         t0 = time.perf_counter()
         summary = train(config)

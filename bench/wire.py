@@ -1,9 +1,9 @@
-"""A step's samples through Ray: tensors as numpy arrays (mint.wire) against torch's own pickling, side by side.
+"""A step's samples through Ray: tensors as numpy buffers (mint.train.wire) against torch's own pickling, side by side.
 
 The payload is what a rollout actor hands the driver in one step: GroupRollouts of G completions, each with its
-tokens, logprobs and routes [R, L, k]. The same tensors go through a real local Ray (`ray.put` in the driver, a
-`ray.get` in another worker process and back), once inside the GroupRollout dataclasses (their tensors travel as
-numpy arrays) and once as bare tuples of the same tensors (torch's pickling: the path before mint.wire). Two sizes:
+tokens, logprobs and routes [R, L, k]. The same payload goes through a real local Ray (`ray.put` in the driver, a
+`ray.get` in another worker process and back), once with mint.train.wire's serializer registered in both processes
+(as the driver and every actor register it) and once without (torch's pickling: the path before it). Two sizes:
 
     smoke   the smoke recipe's step: 8 prompts x G=8, R=2, 2 layers, top-2 (what bench/overlap.py runs)
     large   64 prompts x G=8, R=1024, 48 layers, top-8 (uint8 routes: about 200 MB, a Qwen3-30B-A3B-like step)
@@ -47,12 +47,16 @@ def make_step(prompts: int, group: int, length: int, layers: int, top_k: int, pr
     ]
 
 
-def as_tuples(step) -> list:
-    """The same tensors without the dataclasses: what torch's own pickling carries."""
-    return [
-        (g.prompt_tokens_P, g.prompt_routes_P1_L_K, [(c.tokens_R, c.logprobs_R, c.routes_R_L_K) for c in g.completions])
-        for g in step
-    ]
+def use_wire(on: bool) -> None:
+    """Register mint.train.wire's serializer for torch.Tensor in this process, or drop it (torch's own pickling)."""
+    import ray
+
+    from mint.train import wire
+
+    if on:
+        wire.register()
+    else:
+        ray.util.deregister_serializer(torch.Tensor)
 
 
 def main() -> None:
@@ -68,17 +72,21 @@ def main() -> None:
         def echo(self, refs):  # a worker process fetches the payload and sends it back
             return ray.get(refs[0])
 
+        def use_wire(self, on: bool) -> None:
+            use_wire(on)
+
     echo = Echo.remote()
     ray.get(echo.echo.remote([ray.put(1)]))  # the worker is up before timing starts
     result: dict = {"repeats": args.repeats}
     for name, dims in SIZES.items():
         step = make_step(*dims)
-        payloads = {"numpy": step, "torch": as_tuples(step)}
-        times: dict[str, list[float]] = {k: [] for k in payloads}
+        times: dict[str, list[float]] = {"numpy": [], "torch": []}
         for _ in range(args.repeats):
-            for path, payload in payloads.items():  # interleaved: a change in load hits both
+            for path in times:  # interleaved: a change in load hits both
+                use_wire(path == "numpy")
+                ray.get(echo.use_wire.remote(path == "numpy"))
                 t0 = time.perf_counter()
-                back = ray.get(echo.echo.remote([ray.put(payload)]))
+                back = ray.get(echo.echo.remote([ray.put(step)]))
                 times[path].append(time.perf_counter() - t0)
                 del back
         for path, ts in times.items():

@@ -30,7 +30,7 @@ from transformers import AutoConfig
 from mint.config import load_config
 from mint.models.specs import moe_layout, tiny_config
 from mint.rollout.backends.base import decode_int32, decode_npy, split_routes
-from mint.train.engines import launch_argv, lora_modules
+from mint.train.engine_servers import launch_argv, lora_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "engine_scripts"
@@ -52,6 +52,9 @@ RANKS = (4, 8, 24, 64, 512)
 WIDE = {"num_experts": 320}
 NUM_PROMPT, NUM_RESPONSE = 4, 3
 SCRIPT_TIMEOUT_S = 300
+# Four subprocesses in the engine virtualenv, each importing vLLM or SGLang (~10 s on 2 cores before any check), and
+# `make test-fast` installs no engines: the full suite only. Mint's side of the launch lines is in test_engines.py.
+pytestmark = pytest.mark.slow
 
 
 def save_base(directory: Path, family: str, **overrides) -> str:
@@ -101,9 +104,9 @@ def rendered(backend: str, family: str, rank: int, model: str):
     """(Mint's config, the argv Mint launches that engine with) for the default launch line of `backend`."""
     config = load_config(
         ROOT / "recipes/smoke.toml",
-        [f"rollout.backend={backend}", "rollout.engines=1", f"lora.rank={rank}", f"model.path={model}"],
+        [f"rollout.backend={backend}", "engines.start=1", f"lora.rank={rank}", f"model.path={model}"],
     )
-    moe = moe_layout(AutoConfig.from_pretrained(model)) is not None  # as start_engines reads it off the base
+    moe = moe_layout(AutoConfig.from_pretrained(model)) is not None  # as EngineServers.start reads it off the base
     return config, launch_argv(config, {"model": model, "host": "127.0.0.1", "port": 8000, "moe": moe})
 
 
@@ -151,7 +154,7 @@ def test_vllm_takes_mints_launch_line_and_configures_what_mint_asked(vllm_launch
     got = report["config"]
     assert got["model"] == bases[family]
     assert got["max_lora_rank"] >= rank  # vLLM's LoRA slots hold an adapter of lora.rank
-    assert got["tp"] == config.rollout.engine_tp
+    assert got["tp"] == config.engines.tp
     assert got["dtype"] == config.model.dtype
     assert got["is_moe"] == (family in MOE_LAYER_IDS)
     assert got["routed_experts"] == (family in MOE_LAYER_IDS)
@@ -171,7 +174,7 @@ def test_sglang_takes_mints_launch_line_and_configures_what_mint_asked(sglang_la
     assert got["enable_lora"] is True
     assert got["max_lora_rank"] >= rank
     assert got["lora_modules"] == sorted(lora_modules(config))  # every module the adapter directories hold
-    assert got["tp"] == config.rollout.engine_tp
+    assert got["tp"] == config.engines.tp
     assert got["dtype"] == config.model.dtype
     assert got["routed_experts"] == (family in MOE_LAYER_IDS)
 

@@ -1,19 +1,19 @@
-"""Engine servers started under Ray (`rollout.engines = N`, mint.train.engines).
+"""Engine servers started under Ray (`engines.start = N`, mint.train.engine_servers).
 
 - A training run with rollout.backend = vllm and one engine: `mint serve` (our vLLM stand-in) launched by an
-  EngineServer actor from rollout.engine_command, fronted by the rollout actor, learns the smoke task, and no server
+  EngineServer actor from engines.command, fronted by the rollout actor, learns the smoke task, and no server
   process is left once the run has ended.
 - An engine command that exits at once stops the run with one line naming the engine and its log.
-- A server killed mid-run is restarted on the same URL (rollout.engine_restarts), the rollout actor loads its revision
-  on it again, and the run finishes every step with the learner's logprobs; with rollout.engine_restarts = 0 the run
+- A server killed mid-run is restarted on the same URL (engines.restarts), the rollout actor loads its revision
+  on it again, and the run finishes every step with the learner's logprobs; with engines.restarts = 0 the run
   ends with one line naming the engine and its log. With rollout.max_staleness = 1 the run survives it too.
 - EngineServer.restart on its own: same URL, counted, logged, one line when out of restarts or the port is taken.
 - RolloutActor.reinstall, both HTTP backends: an engine that lost its adapters (as a restarted one has) refuses the
   actor's requests until the actor loads its current revision on that engine alone; then it samples that revision.
-- The config refuses engines with rollout.urls, with the builtin backend, and more actors than engines.
+- The config refuses engines with engines.urls, with the builtin backend, and more actors than engines.
 - The launch lines (`launch_argv`, no Ray): `vllm serve`, SGLang's --tp-size, the base's --dtype, LoRA modules as
   separate words, routed experts asked for only on an MoE base, lora.rank rounded up to a --max-lora-rank vLLM
-  accepts, and rollout.engine_path first on the server's PATH.
+  accepts, and engines.path first on the server's PATH.
 """
 
 import json
@@ -34,9 +34,9 @@ from mint.config.load import build_config
 from mint.errors import ConfigError, MintError
 from mint.hub.catalog import Catalog
 from mint.rollout.backends import EngineError
-from mint.train import engines
+from mint.train import engine_servers
 from mint.train.driver import train
-from mint.train.engines import EngineServer, launch_argv
+from mint.train.engine_servers import EngineServer, launch_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,10 +58,10 @@ def _config(tmp_path: Path, name: str, steps: int, command: str, *extra: str):
             f"grpo.steps={steps}",
             "learner.num_ranks=1",
             "rollout.backend=vllm",
-            "rollout.engines=1",
-            f"rollout.engine_command={json.dumps(command)}",
-            "rollout.engine_start_timeout=120",
-            f"rollout.adapter_dir={adapters}",
+            "engines.start=1",
+            f"engines.command={json.dumps(command)}",
+            "engines.start_timeout=120",
+            f"engines.adapter_dir={adapters}",
             f"logging.root={tmp_path}",
             f"logging.name={name}",
             "logging.progress=false",
@@ -93,7 +93,7 @@ def test_training_through_an_engine_started_under_ray_learns_and_leaves_no_serve
     summary = train(_config(tmp_path, "engines", steps, _serve_command(catalog)))
     lines = [json.loads(line) for line in (tmp_path / "engines/metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(1, steps + 1)) and summary["steps"] == steps
-    for m in lines:  # the engine's logprobs and routes are the learner's, as with rollout.urls
+    for m in lines:  # the engine's logprobs and routes are the learner's, as with engines.urls
         assert m["logp_diff_max"] < 1e-4 and m["trust_kept_frac"] == 1.0, m
     rewards = [m["reward_mean"] for m in lines]
     first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
@@ -141,7 +141,7 @@ def test_a_killed_engine_is_restarted_and_the_run_finishes(tmp_path, capfd):
     assert log.count("$ restart 1: ") == 1 and "$ restart 2: " not in log, log[-2000:]
     warned = [line for line in capfd.readouterr().err.splitlines() if "restarted it at" in line]
     assert len(warned) == 1 and "rollout engine 0" in warned[0] and "died with exit code -9" in warned[0], warned
-    assert "(1/2, rollout.engine_restarts)" in warned[0], warned
+    assert "(1/2, engines.restarts)" in warned[0], warned
     assert _processes_with(str(catalog)) == [], "an engine server outlived the run"
 
 
@@ -170,29 +170,29 @@ def test_an_engine_that_dies_mid_run_ends_it_with_one_line(tmp_path):
     metrics, killed = tmp_path / "dying/metrics.jsonl", []
     killer = _kill_after(metrics, str(catalog), 2, killed)
     with pytest.raises(MintError) as info:
-        train(_config(tmp_path, "dying", 200, _serve_command(catalog), "rollout.engine_restarts=0"))
+        train(_config(tmp_path, "dying", 200, _serve_command(catalog), "engines.restarts=0"))
     killer.join()
     message = str(info.value)
     assert "\n" not in message, message
     assert "rollout engine 0" in message and "died with exit code -9" in message, message
-    assert "after 0 restart(s) (rollout.engine_restarts = 0)" in message, message
+    assert "after 0 restart(s) (engines.restarts = 0)" in message, message
     assert str(tmp_path / "dying/engines/engine_0.log") in message, message
     assert _processes_with(str(catalog)) == []
 
 
 def test_the_config_checks_engines():
-    with pytest.raises(ConfigError, match=r"rollout\.engines"):
-        build_config({"rollout": {"backend": "vllm", "engines": 1, "urls": ["http://127.0.0.1:1"]}})
-    with pytest.raises(ConfigError, match=r"rollout\.engines"):
-        build_config({"rollout": {"backend": "builtin", "engines": 1}})
-    with pytest.raises(ConfigError, match=r"rollout\.num_actors"):
-        build_config({"rollout": {"backend": "sglang", "engines": 1, "num_actors": 2}})
-    with pytest.raises(ConfigError, match=r"rollout\.engine_command: bad placeholder \('gpus'\)"):
-        build_config({"rollout": {"backend": "vllm", "engines": 1, "engine_command": "serve --tp {gpus}"}})
+    with pytest.raises(ConfigError, match=r"^engines\.start: set engines\.start .* or engines\.urls"):
+        build_config({"rollout": {"backend": "vllm"}, "engines": {"start": 1, "urls": ["http://127.0.0.1:1"]}})
+    with pytest.raises(ConfigError, match=r"^engines\.start: engine servers need rollout\.backend"):
+        build_config({"rollout": {"backend": "builtin"}, "engines": {"start": 1}})
+    with pytest.raises(ConfigError, match=r"^rollout\.num_actors"):
+        build_config({"rollout": {"backend": "sglang", "num_actors": 2}, "engines": {"start": 1}})
+    with pytest.raises(ConfigError, match=r"^engines\.command: bad placeholder \('gpus'\)"):
+        build_config({"rollout": {"backend": "vllm"}, "engines": {"start": 1, "command": "serve --tp {gpus}"}})
     line = "serve {model} --dtype {dtype} {routed_experts} --lora-target-modules {lora_modules}"
-    assert _engine_config(line).rollout.engine_command == line
-    config = build_config({"rollout": {"backend": "sglang", "engines": 2, "num_actors": 2, "engine_tp": 2}})
-    assert config.rollout.engines == 2 and config.rollout.urls == []
+    assert _engine_config(line).engines.command == line
+    config = build_config({"rollout": {"backend": "sglang", "num_actors": 2}, "engines": {"start": 2, "tp": 2}})
+    assert config.engines.start == 2 and config.engines.urls == []
 
 
 MODEL = "/models/base"
@@ -200,9 +200,9 @@ VALUES = {"model": MODEL, "host": "10.0.0.7", "port": 8123}
 ROUTED = "--enable-return-routed-experts"
 
 
-def _argv(backend: str, values: dict = VALUES, rollout: dict | None = None, **sections) -> list[str]:
-    """launch_argv of one engine with the backend's default line (rollout.engines = 1)."""
-    tree = {"rollout": {"backend": backend, "engines": 1, **(rollout or {})}, **sections}
+def _argv(backend: str, values: dict = VALUES, engines: dict | None = None, **sections) -> list[str]:
+    """launch_argv of one engine with the backend's default line (engines.start = 1)."""
+    tree = {"rollout": {"backend": backend}, "engines": {"start": 1, **(engines or {})}, **sections}
     return launch_argv(build_config(tree), values)
 
 
@@ -223,7 +223,7 @@ def test_default_vllm_line_is_vllm_serve_with_the_bases_dtype():
 def test_default_sglang_line_passes_tp_size_and_each_lora_module_as_its_own_word():
     """SGLang's flag is --tp-size (the line said --tp), and --lora-target-modules takes one word per module: the line
     filled {lora_modules} as the single word "q_proj v_proj ...", which SGLang's choices refuse."""
-    argv = _argv("sglang", rollout={"engine_tp": 2}, lora={"target_modules": ["q_proj", "v_proj"]})
+    argv = _argv("sglang", engines={"tp": 2}, lora={"target_modules": ["q_proj", "v_proj"]})
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"] and _after(argv, "--model-path") == MODEL
     assert _after(argv, "--tp-size") == "2" and "--tp" not in argv and _after(argv, "--dtype") == "float32"
     start = argv.index("--lora-target-modules") + 1
@@ -257,12 +257,12 @@ def test_a_launch_value_vllm_or_sglang_refuses_is_one_config_error_line():
     assert "q_proj, k_proj, v_proj, o_proj" in message and "\n" not in message
     # A line that passes neither value (here `mint serve`) is not refused.
     line = "{python} -m mint.cli serve --base {model} --port {port}"
-    tree = {"rollout": {"backend": "vllm", "engines": 1, "engine_command": line}, "lora": {"rank": 640}}
+    tree = {"rollout": {"backend": "vllm"}, "engines": {"start": 1, "command": line}, "lora": {"rank": 640}}
     assert launch_argv(build_config(tree), VALUES)[-4:] == ["--base", MODEL, "--port", "8123"]
 
 
 def test_engine_path_finds_a_server_installed_in_a_virtualenv_of_its_own(tmp_path):
-    """rollout.engine_path goes first on the server's PATH, so a line naming a bare program (`vllm serve`) finds one
+    """engines.path goes first on the server's PATH, so a line naming a bare program (`vllm serve`) finds one
     installed in its own virtualenv; without it the launch fails with one line that names the knob."""
     bin_dir = tmp_path / ".engines/fake/bin"
     bin_dir.mkdir(parents=True)
@@ -270,14 +270,14 @@ def test_engine_path_finds_a_server_installed_in_a_virtualenv_of_its_own(tmp_pat
     program.write_text(f"#!{sys.executable}{HEALTH_SERVER}")
     program.chmod(0o755)
     log = str(tmp_path / "engines/engine_0.log")
-    config = _engine_config("fake-engine {host} {port}", engine_path=str(bin_dir))
+    config = _engine_config("fake-engine {host} {port}", path=str(bin_dir))
     server = EngineServer(0, config, {"model": "unused"}, log, {}, 0, 30.0)
     try:
         assert server.wait_healthy(30) == server.url and server.env["PATH"].split(os.pathsep)[0] == str(bin_dir)
     finally:
         server.stop()
     missing = EngineServer(0, _engine_config("fake-engine {host} {port}"), {"model": "unused"}, log, {}, 0, 30.0)
-    with pytest.raises(MintError, match=r"could not start 'fake-engine': .*\(rollout\.engine_path\)$"):
+    with pytest.raises(MintError, match=r"could not start 'fake-engine': .*\(engines\.path\)$"):
         missing.wait_healthy(5)
     missing.stop()
 
@@ -299,8 +299,8 @@ http.server.HTTPServer((sys.argv[1], int(sys.argv[2])), Health).serve_forever()
 """
 
 
-def _engine_config(command: str, **rollout):
-    return build_config({"rollout": {"backend": "vllm", "engines": 1, "engine_command": command, **rollout}})
+def _engine_config(command: str, **engines):
+    return build_config({"rollout": {"backend": "vllm"}, "engines": {"start": 1, "command": command, **engines}})
 
 
 def _health_engine(tmp_path: Path, max_restarts: int) -> EngineServer:
@@ -336,7 +336,7 @@ def test_engine_server_restart_keeps_the_url_counts_and_stops_at_its_budget(tmp_
             server.restart()
         message = str(info.value)
         assert "\n" not in message and "rollout engine 0" in message and server.log_path in message, message
-        assert "died with exit code -9 after 1 restart(s) (rollout.engine_restarts = 1)" in message, message
+        assert "died with exit code -9 after 1 restart(s) (engines.restarts = 1)" in message, message
         assert server.restart_count() == (1, 1)
     finally:
         server.stop()
@@ -345,7 +345,7 @@ def test_engine_server_restart_keeps_the_url_counts_and_stops_at_its_budget(tmp_
 
 
 def test_engine_server_restart_says_when_its_port_is_taken(tmp_path, monkeypatch):
-    monkeypatch.setattr(engines, "PORT_WAIT_S", 0.5)
+    monkeypatch.setattr(engine_servers, "PORT_WAIT_S", 0.5)
     server = _health_engine(tmp_path, max_restarts=2)
     try:
         server.wait_healthy(30)
@@ -376,7 +376,7 @@ def test_reinstall_loads_the_current_revision_on_one_engine_that_lost_it(world, 
     try:
         assert actor.reinstall(url) is False  # no revision yet: a new server serves the base, as the old one did
         (data,) = backends._revision_bytes(world, world["a"])
-        assert actor.sync_adapter(data)["revision"] == world["a"]
+        assert actor.load_adapter(world["a"], data) == world["a"]
         # The engine forgets the adapter, as a restarted server starts without it.
         if kind == "vllm":
             httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "mint-policy"}).raise_for_status()

@@ -8,7 +8,8 @@ Layers, highest first; a module may import its own layer and the ones below it, 
 and third-party rules: Ray and DeepSpeed only in mint.train; triton only in kernels/; kernels/ imports torch and
 triton only; outside mint/hub, code reaches MinT through `mint.hub`'s public API, never its modules; serving stands
 apart from the store: mint.hub never imports mint.serve, and mint.serve imports no `_`-prefixed module or name of
-another package (the rollout engine through its public names).
+another package (the rollout engine through its public names). Within mint.train, Ray calls (`ray.get`, `.remote`)
+stay with the owners of the actors (the learner group, the rollout fleet, the engine servers) and the driver.
 """
 
 import ast
@@ -173,6 +174,37 @@ def test_no_top_level_kernels_package(tmp_path):
     probe = "import importlib.util as u, longstraw.kernels as k; s = u.find_spec('kernels'); print(s and s.origin)"
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert str(ROOT / "kernels") not in out.stdout, out.stdout
+
+
+# The modules that call Ray actors and tasks: each owner of a kind of actor, and the driver (docs/layout.md).
+RAY_CALLERS = {
+    "mint.train.learner_group",  # the learner ranks
+    "mint.train.rollout_fleet",  # the rollout actors, and the engine-recovery path
+    "mint.train.engine_servers",  # the engine server actors
+    "mint.train.driver",  # the per-node checks before any actor starts
+}
+
+
+def _ray_calls(path: Path) -> list[int]:
+    """Lines of `ray.get(...)` and `<anything>.remote(...)` calls in a file."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if f.attr == "remote" or (f.attr == "get" and isinstance(f.value, ast.Name) and f.value.id == "ray"):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_ray_calls_stay_with_the_owners_of_the_actors():
+    """ray.get and .remote calls live only in the learner group, the rollout fleet, the engine servers and the
+    driver: every other module asks one of them."""
+    found = {module: lines for path, module in _sources() if (lines := _ray_calls(path))}
+    bad = [
+        f"{module} (lines {', '.join(map(str, lines))})" for module, lines in found.items() if module not in RAY_CALLERS
+    ]
+    assert not bad, "Ray calls outside " + ", ".join(sorted(RAY_CALLERS)) + ": " + "; ".join(bad)
+    assert set(found) == RAY_CALLERS, set(found)  # the scan sees them where they are
 
 
 def test_modules_stay_small():

@@ -67,7 +67,6 @@ from mint.errors import ConfigError, MintError
 from mint.models.specs import moe_layout
 from mint.rollout._cache import KVSlab
 from mint.rollout._sampling import group_seed, sample_groups
-from mint.wire import TensorsAsArrays
 
 # Padded prompt tokens per prefill forward: bounds the prefill's activations and temporary K/V (a 16k-token prompt
 # still goes alone); on CPU, batching short prompts saves the per-forward overhead of each MoE layer's expert loop.
@@ -113,9 +112,8 @@ class SamplingParams:
 
 
 @dataclass
-class Completion(TensorsAsArrays):
-    """One sampled response. Tensors are on CPU and own their storage (a pickled view would drag its whole base); they
-    cross Ray as numpy arrays (mint.wire)."""
+class Completion:
+    """One sampled response. Tensors are on CPU and own their storage (a pickled view would drag its whole base)."""
 
     tokens_R: torch.Tensor  # [R] int64; ends with the stop token when finish_reason == "stop"
     logprobs_R: torch.Tensor  # [R] float32; log softmax(logits / T) at tokens_R (T = 1 for greedy)
@@ -124,7 +122,7 @@ class Completion(TensorsAsArrays):
 
 
 @dataclass
-class GroupRollout(TensorsAsArrays):
+class GroupRollout:
     """G completions sampled from one shared prompt prefix."""
 
     prompt_tokens_P: torch.Tensor  # [P] int64

@@ -1,15 +1,20 @@
 """The driver: one GRPO run, top to bottom.
 
-    checks (before anything is touched) -> run directory -> Ray and the actors -> [restore a checkpoint]
-    -> per step: prompts -> RolloutActors (sample G, score rewards) -> group advantages
-                 -> LearnerActors (one optimizer step; a non-finite one is skipped) -> publish the revision
-                 -> rollout actors hot-load it -> log -> every checkpoint.every steps, a checkpoint
+    checks (before anything is touched) -> run directory -> Ray
+    -> a session: reserve the layout -> check its nodes -> the rollout fleet and the learner group (mint.train.cluster)
+       -> restore the latest checkpoint, or publish the initial revision
+    -> per step: prompts -> rollout fleet (sample G, score rewards) -> group advantages
+                 -> learner group (one optimizer step; a non-finite one is skipped, never published)
+                 -> publish: admit (finite, hashed) -> broadcast to the rollout fleet -> catalog write (off the
+                    critical path) -> log -> every checkpoint.every steps, a checkpoint
     -> final checkpoint and summary
 
-With rollout.max_staleness = k >= 1 the rollouts of the next k steps are already queued on the rollout actors while
-the learner trains, and the hot-load queues behind them (mint.train.pipeline); the next step's learning is queued on
-the learner before this step's revision is published (`_begin(..., ahead=True)`), so the learner never waits for the
-driver's publish, logging or eval. With k = 0 each step waits for rollout, learning and the actors' loads in turn.
+The driver only asks: the learner group (mint.train.learner_group) and the rollout fleet (mint.train.rollout_fleet)
+own their actors, restarts and recovery. With rollout.max_staleness = k >= 1 the rollouts of the next k steps are
+already queued on the rollout actors while the learner trains, and the broadcast queues behind them
+(mint.train.pipeline); when the pipeline has the next step's rollout in flight, its learning is queued on the learner
+before this step's revision is published, so the learner never waits for the driver's publish, logging or eval.
+With k = 0 each step waits for rollout, learning and the actors' loads in turn.
 
 What survives what (docs/reliability.md): a dead rollout actor is restarted by Ray and redoes its shard; a dead
 learner rank restarts the actors from the latest checkpoint (checkpoint.max_restarts times); a killed driver resumes
@@ -23,42 +28,28 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mint.config import Config, run_dir
 from mint.errors import ConfigError, MintError
 from mint.hub import Catalog, catalog_dir
 from mint.rl.data import load_dataset
-from mint.train import checkpoint
+from mint.train import checkpoint, wire
 from mint.train.checkpoint import RunState
-from mint.train.cluster import (
-    ACTOR_GONE,
-    Cluster,
-    LearnerDied,
-    NodeLost,
-    gather,
-    load_revision,
-    start_cluster,
-    start_ray,
-)
+from mint.train.cluster import Cluster, NodeLost, Placement, reserve, start_cluster, start_ray
 from mint.train.evaluation import eval_set, evaluate, sample_rows
+from mint.train.learner_group import LearnerDied, LearnerGroup
 from mint.train.metrics import RunLogger
-from mint.train.nodes import check_run_paths, driver_model_path
+from mint.train.nodes import check_node, check_run_paths, driver_model_path, node_checks
 from mint.train.pipeline import RolloutPipeline
 from mint.train.preflight import Preflight, preflight
-from mint.train.step import (
-    CatalogWriter,
-    Revision,
-    collect_learn,
-    make_batches,
-    publish,
-    request_state,
-    save_revision,
-    submit_learn,
-)
+from mint.train.step import CatalogWriter, Revision, RunCatalog, make_batches, save_revision
 
 __all__ = ["prepare_run_dir", "summarize", "train"]
 
@@ -117,6 +108,7 @@ def train(config: Config, resume: bool = False, checked: Preflight | None = None
     with Interrupt() as interrupt:
         try:
             started = start_ray(config)
+            wire.register()  # the step's tensors cross Ray as numpy buffers (mint.train.wire)
             run = Run(config, out, model_path, init_lora, started, interrupt, t_start)
             return _with_restarts(run)
         finally:
@@ -152,27 +144,27 @@ def _session(run: Run, restarts: int) -> dict:
     state = checkpoint.read(latest, config.result_digest()) if latest else RunState()
     state.restarts = max(state.restarts, restarts)
     checkpoint.truncate_metrics(out, state.step)
-    cluster = start_cluster(config, run.model_path, run.started_ray, None if latest else run.init_lora, out)
+    cluster = _start_cluster(run, None if latest else run.init_lora)
+    learners, fleet = cluster.learners, cluster.fleet
     store = Catalog(catalog_dir(config))
     logger = RunLogger(config, out, initial=state.step)
     try:
-        adapter_config = ray.get(cluster.learners[0].adapter_config.remote(run.model_path))
+        catalog = RunCatalog(store, config, run.model_path, learners.adapter_config(run.model_path))
         if latest:
-            gather(
-                [lr.load_checkpoint.remote(str(latest), state.revision) for lr in cluster.learners], cluster, "restore"
-            )
-            refs = request_state(cluster)
-            gather(refs, cluster, "restore")
-            rev = Revision(state.revision, state.step, refs[0])
-            load_revision(cluster, rev.id, rev.ref)  # each actor checks the restored bytes hash to the revision
-        else:
-            rev = publish(cluster, store, config, run.model_path, adapter_config, 0, None)
+            rev = Revision(state.revision, state.step, learners.restore(str(latest), state.revision))
+            fleet.load(rev)  # each actor checks the restored bytes hash to the revision
+        else:  # the initial revision: admit -> broadcast -> catalog write, as every step's (_steps)
+            refs = learners.request_state()
+            admitted = catalog.admit(0, None, learners.state(refs), refs[0])
+            fleet.load(admitted.revision)
+            catalog.write(admitted)
+            rev = admitted.revision
             state.revision = rev.id
-        rev = _steps(run, cluster, store, logger, adapter_config, state, rev)
+        rev = _steps(run, cluster, catalog, logger, state, rev)
         if state.step and (latest is None or state.step > int(latest.name.removeprefix("step_"))):
-            save_checkpoint(cluster, out, state, config)
-        final_digests = gather([lr.param_digests.remote() for lr in cluster.learners], cluster, "digests")
-    except (MintError, *ACTOR_GONE) as err:
+            save_checkpoint(learners, out, state, config)
+        final_digests = learners.param_digests()
+    except (MintError, RayActorError) as err:
         if cluster.lost and not isinstance(err, NodeLost):  # what broke is a symptom of the node that left
             raise NodeLost(cluster.lost) from err
         raise
@@ -184,7 +176,7 @@ def _session(run: Run, restarts: int) -> dict:
     finally:
         logger.close()
         store.close()
-        cluster.close(shutdown=False)
+        cluster.close()
     summary = summarize(state.rewards, rev.id, time.time() - run.t_start)
     summary.update(
         run_dir=str(out),
@@ -203,25 +195,52 @@ def _session(run: Run, restarts: int) -> dict:
     return summary
 
 
-def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapter_config, state: RunState, rev):
+def _start_cluster(run: Run, init_lora: bytes | None) -> Cluster:
+    """Reserve the layout on the alive nodes, check every node it uses, then start the actors (mint.train.cluster)."""
+    placement = reserve(run.config)
+    try:
+        return start_cluster(run.config, placement, _check_nodes(run, placement), run.model_path, init_lora, run.out)
+    except BaseException:
+        placement.release()
+        raise
+
+
+def _check_nodes(run: Run, placement: Placement) -> dict[str, str]:
+    """Before any actor: every node of the layout must hold the model (a tiny base is shipped) and, for learner
+    nodes, see the run directory; one line naming the node when not. One task per node, pinned to it
+    (mint.train.nodes). Returns node id -> the model path its actors load."""
+    learner_nodes = set(placement.nodes(placement.layout.learners))
+    checks = node_checks(run.config, run.model_path, placement.names, learner_nodes, run.out)
+    task = ray.remote(num_cpus=0, max_retries=0)(check_node)
+    try:
+        futures = {
+            node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(*args)
+            for node, args in checks.args.items()
+        }
+        return checks.paths((node, ray.get(future)) for node, future in futures.items())
+    finally:
+        checks.close()
+
+
+def _steps(run: Run, cluster: Cluster, catalog: RunCatalog, logger: RunLogger, state: RunState, rev: Revision):
     """The training loop from state.step + 1 to grpo.steps; returns the latest revision. With rollout.max_staleness
     = k, the rollouts of the next k steps run while the learner trains (mint.train.pipeline)."""
-    config, out = run.config, run.out
+    config, out, learners, fleet = run.config, run.out, cluster.learners, cluster.fleet
     dataset = load_dataset(config.data.source, config.data.prompt_key, config.data.answer_key)
     stream = dataset.batches(config.rollout.prompts_per_step, config.grpo.seed, start=state.step)
     held_out = eval_set(config)
     if held_out and state.step == 0:  # a resumed run keeps the first eval its checkpoint holds
-        state.eval_first = evaluate(cluster, held_out, config, 0, rev)
+        state.eval_first = evaluate(fleet, held_out, config, 0, rev)
         logger.note(f"mint: eval before training: {_fmt(state.eval_first)}")
-    pipe = RolloutPipeline(cluster, config, stream, rev.id, rev.ref, state.step)
+    pipe = RolloutPipeline(fleet, config, stream, rev, state.step)
     ahead: Begun | None = None  # the next step, begun before this one's publish (k >= 1)
     with CatalogWriter() as writer:  # each revision's catalog copy is written while the learner trains on the next
         while ahead is not None or (state.step < config.grpo.steps and not run.interrupt.requested):
             step = state.step + 1
             t0 = time.time()
-            now, ahead = ahead or _begin(run, cluster, pipe, state, logger, step, ahead=False), None
+            now, ahead = ahead or _begin(run, learners, state, logger, step, pipe.samples), None
             staleness = pipe.staleness(now.results)  # against the revision the learner holds before this update
-            sums = collect_learn(cluster, now.call, step) if now.call else {"skipped": False, "bad": False}
+            sums = learners.collect_learn(now.call, step) if now.call else {"skipped": False, "bad": False}
             times = dict(rollout_s=now.rollout_s, learn_s=sums.get("learner_s", 0.0))
             step_metrics = dict(
                 reward_mean=float(now.rewards_B_G.mean()),
@@ -229,44 +248,33 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
             )
             t_sync = time.time()
             skipped = sums["skipped"]
-            refs = None if skipped else request_state(cluster)
+            refs = None if skipped else learners.request_state()
             t_begun = time.time()
-            if pipe.k and step < config.grpo.steps and pipe.queued > step and not run.interrupt.requested:
+            if not run.interrupt.requested and pipe.in_flight(step + 1):
                 # The next step's rollout is in already: its learning queues on the learner right behind the state
                 # request above, and runs while the driver publishes this step's revision.
-                ahead = _begin(run, cluster, pipe, state, logger, step + 1, ahead=True)
+                ahead = _begin(run, learners, state, logger, step + 1, pipe.collect)
                 t_sync += time.time() - t_begun  # the next step's wait for samples is its rollout_s, not sync_s
             if skipped:  # nothing changed: nothing to publish
                 state.skipped_steps += 1
                 state.bad_steps = state.bad_steps + 1 if sums["bad"] else 0
             else:
                 state.bad_steps = 0
-                rev = publish(
-                    cluster,
-                    store,
-                    config,
-                    run.model_path,
-                    adapter_config,
-                    step,
-                    rev,
-                    now.results,
-                    step_metrics,
-                    pipe.loader(),
-                    writer,
-                    refs,
-                )
-                pipe.advance(rev.id, rev.ref)
-            if ahead is not None:
-                pipe.queue(step + 1)  # the rollouts beyond it sample with this step's revision
+                admitted = catalog.admit(step, rev, learners.state(refs), refs[0])  # finite, hashed: publishable
+                if admitted.new:
+                    pipe.broadcast(admitted.revision)  # to the rollout fleet: awaited at k = 0, queued at k >= 1
+                writer.submit(catalog.write, admitted, now.results, step_metrics)  # off the critical path
+                rev = admitted.revision
+            pipe.queue_ahead()  # with a step begun ahead, the rollouts beyond it sample with this step's revision
             times["sync_s"] = time.time() - t_sync
             times["catalog_s"] = writer.seconds  # the latest catalog copy finished, off the critical path
             state.step, state.revision = step, rev.id
             state.rewards.append(step_metrics["reward_mean"])
-            metrics = _metrics(config, step, now, sums, rev, state, cluster, t0, times)
+            metrics = _metrics(config, step, now, sums, rev, state, fleet, t0, times)
             metrics.update(staleness)
             every = config.eval.every
             if held_out and ((every and step % every == 0) or step == config.grpo.steps):
-                state.eval_last = evaluate(cluster, held_out, config, step, rev)
+                state.eval_last = evaluate(fleet, held_out, config, step, rev)
                 metrics.update(state.eval_last)
                 logger.note(f"mint: step {step}: eval {_fmt(state.eval_last)}")
             if config.logging.samples_every and step % config.logging.samples_every == 0:
@@ -279,12 +287,12 @@ def _steps(run: Run, cluster: Cluster, store: Catalog, logger: RunLogger, adapte
                     f"checkpoint.max_bad_steps = {config.checkpoint.max_bad_steps}); the last good checkpoint is "
                     f"{latest or 'none'}; lower learner.lr or check the rewards"
                 )
-            if step % config.mint.save_every == 0 or step == config.grpo.steps:
+            if step % config.catalog.export_every == 0 or step == config.grpo.steps:
                 writer.wait()  # the export reads the catalog copy
-                save_revision(config, out, store, rev)
+                save_revision(config, out, catalog.store, rev)
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.grpo.steps:
                 writer.wait()  # a checkpoint names a revision the catalog must hold
-                save_checkpoint(cluster, out, state, config)  # never with a step begun ahead (the pipeline drains)
+                save_checkpoint(learners, out, state, config)  # never with a step begun ahead (the pipeline drains)
     return rev
 
 
@@ -301,17 +309,17 @@ class Begun:
 
 
 def _begin(
-    run: Run, cluster: Cluster, pipe: RolloutPipeline, state: RunState, logger: RunLogger, step: int, ahead: bool
+    run: Run, learners: LearnerGroup, state: RunState, logger: RunLogger, step: int, samples: Callable[[int], list]
 ) -> Begun:
-    """Wait for step `step`'s samples, check its rewards, and queue its learning on the learner ranks. In its own
-    turn the rollouts its bound allows are queued first; begun `ahead` (during the step before) only its own
-    rollout, queued already, is collected: the ones after it wait for the revision being published."""
+    """Wait for step `step`'s samples (`samples`: the pipeline's `samples` in the step's own turn, which first
+    queues the rollouts its bound allows; its `collect` when begun ahead, during the step before), check its rewards,
+    and queue its learning on the learner ranks."""
     t0 = time.time()
-    results = pipe.collect(step) if ahead else pipe.samples(step)
+    results = samples(step)
     rollout_s = time.time() - t0
     _check_rewards(run.config, step, results, state, logger)
     batches, rewards_B_G = make_batches(run.config, results)
-    call = submit_learn(cluster, batches, step) if batches else None
+    call = learners.submit_learn(batches, step) if batches else None
     return Begun(results, batches, rewards_B_G, call, rollout_s)
 
 
@@ -338,7 +346,7 @@ def _check_rewards(config: Config, step: int, results: list, state: RunState, lo
         )
 
 
-def _metrics(config, step, now: Begun, sums, rev, state, cluster, t0, times) -> dict:
+def _metrics(config, step, now: Begun, sums, rev, state, fleet, t0, times) -> dict:
     """The step's metrics. Time: rollout_s waited for the step's samples (the whole rollout when on-policy, only what
     learning did not hide with rollout.max_staleness >= 1), learn_s the slowest learner rank's own seconds in the
     optimizer step, sync_s publishing the revision to the rollout actors, step_s the loop's seconds for the step,
@@ -361,8 +369,8 @@ def _metrics(config, step, now: Begun, sums, rev, state, cluster, t0, times) -> 
         skipped=int(sums["skipped"]),
         skipped_steps=state.skipped_steps,
         restarts=state.restarts,
-        rollout_restarts=cluster.rollout_restarts,
-        engine_restarts=cluster.engine_restarts,
+        rollout_restarts=fleet.restarts,
+        engine_restarts=fleet.engine_restarts,
         logp_diff_max=sums.get("logp_diff_max", 0.0),
         response_tokens=gen_tokens,
         response_len_mean=gen_tokens / rewards_B_G.numel(),
@@ -385,10 +393,10 @@ def _reward_parts(results: list) -> dict[str, float]:
     return {f"reward/{name}": sum(sum(p[name]) for p in parts) / sum(len(p[name]) for p in parts) for name in parts[0]}
 
 
-def save_checkpoint(cluster: Cluster, out: Path, state: RunState, config: Config) -> Path:
+def save_checkpoint(learners: LearnerGroup, out: Path, state: RunState, config: Config) -> Path:
     """Every rank writes its part into a .partial directory, then the driver commits it (mint.train.checkpoint)."""
     partial = checkpoint.begin(out, state.step)
-    gather([lr.save_checkpoint.remote(str(partial)) for lr in cluster.learners], cluster, "checkpoint")
+    learners.save_checkpoint(str(partial))
     return checkpoint.commit(partial, state, config.result_digest(), config.checkpoint.keep_last)
 
 

@@ -13,7 +13,8 @@ import math
 from mint.config import Config
 from mint.rl.data import EVAL_SEED, eval_examples
 from mint.rl.grpo import group_advantages_batch
-from mint.train.cluster import Cluster, collect_rollout, submit_rollout
+from mint.train.rollout_fleet import RolloutFleet
+from mint.train.step import Revision
 
 
 def eval_set(config: Config) -> list:
@@ -29,18 +30,19 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def evaluate(cluster: Cluster, examples: list, config: Config, step: int, rev) -> dict[str, float]:
-    """eval_reward_mean, eval_pass@1 (and eval_pass@n) over the held-out prompts at revision `rev`
-    (mint.train.step.Revision: its id, and its bytes in the object store).
+def evaluate(fleet: RolloutFleet, examples: list, config: Config, step: int, rev: Revision) -> dict[str, float]:
+    """eval_reward_mean, eval_pass@1 (and eval_pass@n) over the held-out prompts at revision `rev` (its id, and its
+    bytes in the object store).
 
-    Recovered as a training rollout is (collect_rollout): a shard whose actor died, or was restarted by Ray and so
-    refuses with StaleRevision, is redone with the same seed once the actor holds `rev` again (loaded from its
-    bytes); a shard lost to an engine server the run started is redone once the server is back."""
+    Recovered as a training rollout is (RolloutFleet.collect, its one recovery path): a shard whose actor died, or
+    was restarted by Ray and so refuses with StaleRevision, is redone with the same seed once the actor holds `rev`
+    again (loaded from its bytes); a shard lost to an engine server the run started is redone once the server is
+    back."""
     if not examples:
         return {}
     e = config.eval
-    call = submit_rollout(cluster, examples, EVAL_SEED + step * 1000, rev.id, rev.ref, (e.samples, e.temperature))
-    rewards = collect_rollout(cluster, call)  # one list of n rewards per prompt
+    call = fleet.submit_rollout(examples, EVAL_SEED + step * 1000, rev, (e.samples, e.temperature))
+    rewards = fleet.collect(call)  # one list of n rewards per prompt
     n = e.samples
     passes = [sum(value >= e.pass_threshold for value in r) for r in rewards]
     out = {

@@ -33,6 +33,7 @@ import torch
 from longstraw.memory import reset_peak
 from longstraw.trust import TrustCounts
 from mint.config import Config
+from mint.train import wire
 from mint.train.faults import Faults
 from mint.train.inner_step import INNER_STEPS, GroupBatch, MicroStep, StepContext, StepPlan, loss_spec
 
@@ -93,6 +94,7 @@ class LearnerActor:
         self.faults = faults or Faults()
         self.use_cuda = config.ray.learner_gpus > 0 and torch.cuda.is_available()
         torch.set_num_threads(config.ray.torch_threads)
+        wire.register()  # any tensor this rank hands Ray crosses as a numpy buffer, as the driver's and rollouts' do
 
     def where(self) -> str:
         """ "pid N on NODE_IP": how the driver names this actor when it dies."""
@@ -219,7 +221,7 @@ class LearnerActor:
         trust = TrustCounts()
         old_logprobs: dict[int, list[torch.Tensor]] = {}
         n_micro = len(plan.micro_steps)
-        inner_step = INNER_STEPS[self.config.learner.engine]
+        inner_step = INNER_STEPS[self.config.learner.inner_step]
         sums["lr"] = self._set_lr(plan.step)  # the rate every epoch of this step uses
         # The peak is the step's: reset once here, read once after the optimizer step (peak_memory_mb). Nothing
         # inside a group resets it (a reset per group left only the last group's peak), so LongStraw's update runs

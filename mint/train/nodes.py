@@ -1,7 +1,8 @@
 """The nodes of a run, checked before any actor starts, and the launch scripts' wait for them.
 
-Every node that will host an actor runs one small task there (0 CPUs, pinned to the node) before the actors are
-created, so a hidden one-machine assumption fails in seconds with one line naming the node:
+Every node that will host an actor runs one small task there (0 CPUs, pinned to the node; the driver runs them:
+`node_checks` prepares each node's check, `check_node` is the task, `NodeChecks.paths` reads the answers) before the
+actors are created, so a hidden one-machine assumption fails in seconds with one line naming the node:
 
 - **The base model.** A local `model.path` must be a model directory at the same absolute path on that node; a hub
   id must be in that node's Hugging Face cache (nothing is downloaded). A `tiny:` base is built once, on the driver,
@@ -29,10 +30,12 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.runtime_context import get_runtime_context
 
 from mint.config import Config
 from mint.errors import ConfigError, MintError
@@ -52,21 +55,21 @@ def driver_model_path(spec: str) -> str:
 
 def check_run_paths(config: Config) -> None:
     """The driver's own paths, before anything is written. Under `ray job submit --working-dir`, the driver runs in
-    Ray's temporary copy of that directory, which is deleted with the job: a relative logging.root or mint.catalog
+    Ray's temporary copy of that directory, which is deleted with the job: a relative logging.root or catalog.path
     would vanish with it, so they must be absolute there (launch/submit.sh passes one). And the catalog must not be
     on a network filesystem (mint.hub.require_local_fs)."""
     from mint.hub import catalog_dir, require_local_fs
 
     cwd = os.getcwd()
     if f"{os.sep}working_dir_files{os.sep}" in cwd + os.sep:
-        for key, value in (("logging.root", config.logging.root), ("mint.catalog", config.mint.catalog)):
+        for key, value in (("logging.root", config.logging.root), ("catalog.path", config.catalog.path)):
             if value and not os.path.isabs(value):
                 raise ConfigError(
                     f"{key}: {value!r} is relative, and this driver runs in Ray's temporary copy of the working "
                     f"directory ({cwd}), deleted with the job; give an absolute path (launch/submit.sh passes "
                     "logging.root=$RUN_ROOT)"
                 )
-    require_local_fs(catalog_dir(config), "mint.catalog: the catalog")
+    require_local_fs(catalog_dir(config), "catalog.path: the catalog")
 
 
 def tree_digest(directory: str) -> str:
@@ -121,9 +124,9 @@ def _install_tiny(name: str, digest: str, files: dict[str, bytes]) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _check_node(model: tuple, probe: tuple[str, str] | None) -> tuple[str, str]:
-    """Runs on one node: ("", node-local model path), or ("problem", "") naming the key and the fix."""
-    kind, spec, payload = model
+def check_node(kind: str, spec: str, payload, probe: tuple[str, str] | None) -> tuple[str, str]:
+    """Runs on one node (a Ray task pinned there): ("", node-local model path), or ("problem", "") naming the key
+    and the fix. `kind`: "tiny" (`payload` is the shipped build: name, digest, files), "dir" or "hub"."""
     if kind == "tiny":
         name, digest, files = payload
         try:
@@ -184,49 +187,54 @@ def connect(address: str) -> None:
         raise MintError(f"ray.address {address}: cannot join the Ray cluster ({chain[0][:200]}){hint}") from None
 
 
-def prepare_nodes(
-    config: Config, model_path: str, nodes: dict[str, str], learner_nodes: set[str], run_dir: Path | None
-) -> dict[str, str]:
-    """Check (and for a tiny base, fill) every node that will host an actor; returns node id -> the model path its
-    actors load. `nodes`: node id -> its name for messages. Raises ConfigError with one line naming the node.
+@dataclass
+class NodeChecks:
+    """The check of every node that will host an actor, prepared on the driver: `args[node]` is what `check_node`
+    takes there. `paths` reads the answers; `close` removes the run-directory probe."""
 
-    `model_path` is the driver's (driver_model_path); `learner_nodes` the nodes of learner ranks, whose view of
-    `run_dir` is checked when they are not the driver's node."""
-    spec = config.model.path
-    if spec.startswith("tiny:"):
-        payload = (os.path.basename(model_path.rstrip("/")), tree_digest(model_path), _read_tree(model_path))
-        model = ("tiny", spec, ray.put(payload))  # stored once, fetched by each node
-    else:
-        model = ("dir" if os.path.isabs(model_path) else "hub", model_path, None)
-    here = ray.get_runtime_context().get_node_id()
-    probe_file, probe = None, None
-    if run_dir is not None and learner_nodes - {here}:
-        probe_file = Path(run_dir) / f"{PROBE_PREFIX}{secrets.token_hex(4)}"
-        probe = (str(probe_file), secrets.token_hex(16))
-        probe_file.write_text(probe[1])
-    check = ray.remote(num_cpus=0, max_retries=0)(_run_check)
-    try:
-        futures = {
-            node: check.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-                model, probe if node in learner_nodes and node != here else None
-            )
-            for node in nodes
-        }
+    args: dict[str, tuple]  # node id -> check_node's arguments
+    names: dict[str, str]  # node id -> its name for messages
+    probe_file: Path | None = None
+
+    def paths(self, answers: Iterable[tuple[str, tuple[str, str]]]) -> dict[str, str]:
+        """Node id -> the model path its actors load, from (node id, check_node's answer) pairs; ConfigError with
+        one line naming the first node with a problem (read as the answers come)."""
         paths = {}
-        for node, future in futures.items():
-            problem, path = ray.get(future)
+        for node, (problem, path) in answers:
             if problem:
-                raise ConfigError(f"node {nodes[node]}: {problem}")
+                raise ConfigError(f"node {self.names[node]}: {problem}")
             paths[node] = path
         return paths
-    finally:
-        if probe_file is not None:
-            probe_file.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self.probe_file is not None:
+            self.probe_file.unlink(missing_ok=True)
 
 
-def _run_check(model: tuple, probe: tuple[str, str] | None) -> tuple[str, str]:
-    kind, spec, ref = model
-    return _check_node((kind, spec, ray.get(ref) if ref is not None else None), probe)
+def node_checks(
+    config: Config, model_path: str, nodes: dict[str, str], learner_nodes: set[str], run_dir: Path | None
+) -> NodeChecks:
+    """Prepare the check of every node that will host an actor (and for a tiny base, its shipping). `nodes`: node id
+    -> its name for messages. `model_path` is the driver's (driver_model_path); `learner_nodes` the nodes of learner
+    ranks, whose view of `run_dir` is checked when they are not the driver's node (a probe file written here)."""
+    spec = config.model.path
+    if spec.startswith("tiny:"):
+        # Stored once, fetched by each node: a top-level task argument, so Ray hands the task its value.
+        payload = ray.put((os.path.basename(model_path.rstrip("/")), tree_digest(model_path), _read_tree(model_path)))
+        kind = "tiny"
+    else:
+        kind, spec, payload = ("dir" if os.path.isabs(model_path) else "hub"), model_path, None
+    here = get_runtime_context().get_node_id()
+    checks = NodeChecks({}, dict(nodes))
+    probe = None
+    if run_dir is not None and learner_nodes - {here}:
+        checks.probe_file = Path(run_dir) / f"{PROBE_PREFIX}{secrets.token_hex(4)}"
+        probe = (str(checks.probe_file), secrets.token_hex(16))
+        checks.probe_file.write_text(probe[1])
+    checks.args = {
+        node: (kind, spec, payload, probe if node in learner_nodes and node != here else None) for node in nodes
+    }
+    return checks
 
 
 # ---- the launch scripts' wait ---------------------------------------------------------------------------------------

@@ -279,8 +279,9 @@ def node_name(entry: dict) -> str:
 def cluster_nodes() -> list[Node]:
     """The alive nodes of the Ray cluster this process is connected to, in fill order."""
     import ray
+    from ray.runtime_context import get_runtime_context
 
-    here = ray.get_runtime_context().get_node_id()
+    here = get_runtime_context().get_node_id()
     nodes = [
         Node(
             n["NodeID"],

@@ -4,7 +4,7 @@
 config.json, read as JSON, never the weights), the tokenizer, the dataset and the eval set, the reward function,
 the stop tokens and the catalog path; it checks what the actors would refuse at start (expert parallel against the
 base's experts, the adapter layout the engines read, fp16 on a CPU learner); and it checks the launch line of the
-engine servers the run starts (`rollout.engines`) against what vLLM or SGLang accept (a LoRA rank, LoRA module
+engine servers the run starts (`engines.start`) against what vLLM or SGLang accept (a LoRA rank, LoRA module
 names). The first problem raises `ConfigError` with one line that names the key and the fix, so a run that would fail
 after Ray started (20-25 s), or train on prompts longer than the model's context, fails before it starts. The
 actors' own checks of the same things call the functions here (`check_expert_parallel`, `engine_adapter_layout`,
@@ -35,7 +35,7 @@ from mint.errors import ConfigError, DataError, MintError, RewardError
 from mint.rl.data import Dataset, FileDataset, eval_examples, load_dataset
 from mint.rl.reward_set import RewardSet
 from mint.rl.tasks import Example
-from mint.train.engines import check_launch
+from mint.train.engine_servers import check_launch
 
 # Synthetic tasks are endless: the first batches of the run's own stream stand for the rest.
 SYNTHETIC_BATCHES = 4
@@ -72,16 +72,16 @@ class _Model:
 def preflight(config: Config) -> Preflight:
     """Check the engines' launch line, model, reward, dataset, tokenizer, stop tokens and prompt lengths of `config`.
 
-    Order: the engines' launch line, mint.catalog, a local model directory, the reward's import, the dataset and the
+    Order: the engines' launch line, catalog.path, a local model directory, the reward's import, the dataset and the
     eval set, one reward call; then (after the heavy imports) fp16 on a CPU learner, a tiny or hub model, the
-    tokenizer, the stop tokens, expert parallel against the base's experts, an explicit rollout.adapter_layout, and
+    tokenizer, the stop tokens, expert parallel against the base's experts, an explicit engines.adapter_layout, and
     the length of every training and eval prompt. Raises
     ConfigError (one line, naming the key) on the first problem. Starts nothing and writes nothing: no Ray, no run
     directory, no tiny base build (a tiny base not yet cached is checked with its tokenizer and config, built in
     memory).
     """
     start = time.perf_counter()
-    if config.rollout.engines:
+    if config.engines.start:
         check_launch(config)  # values vLLM / SGLang would refuse when the run starts them, minutes from now
     _catalog(config)
     local = _local_model(config.model.path)
@@ -104,8 +104,10 @@ def preflight(config: Config) -> Preflight:
     stop_token_ids(tokenizer, config.rollout.stop_tokens)
     if config.learner.expert_parallel > 1:
         check_expert_parallel(config, _model_config(model))
+    if config.grpo.r3:
+        check_route_replay(_model_config(model))
     # auto never fails (it picks what the engine reads); an explicit layout is checked as the rollout actor will.
-    if config.rollout.backend != "builtin" and config.rollout.adapter_layout != "auto":
+    if config.rollout.backend != "builtin" and config.engines.adapter_layout != "auto":
         model_config = _model_config(model)
         # The meta-device skeleton the layout is read off warns (a transformers FutureWarning): a second stderr line.
         with warnings.catch_warnings(), _quiet("transformers"), _quiet("peft"):
@@ -167,7 +169,7 @@ def check_expert_parallel(config: Config, model_config) -> None:
     if layout is None or layout.num_experts % ep:
         what = f"{layout.num_experts} routed experts" if layout else "no routed experts"
         raise ConfigError(f"learner.expert_parallel: {ep} does not divide the base's experts ({what}); use 1")
-    if config.learner.engine == "longstraw" and config.longstraw.mode == "resident":
+    if config.learner.inner_step == "longstraw" and config.longstraw.mode == "resident":
         raise ConfigError(
             "learner.expert_parallel: resident mode is not supported with expert parallel (each rank's kept "
             "captures differ, so their MoE calls would not pair up); use longstraw.mode = exact or detached"
@@ -176,13 +178,35 @@ def check_expert_parallel(config: Config, model_config) -> None:
 
 def engine_adapter_layout(config: Config, model_config, adapter_config: dict) -> str:
     """The adapter layout (peft or per-expert) a vllm/sglang rollout actor writes for its engines
-    (`mint.hub.engine_layout` of rollout.adapter_layout); ConfigError when the engine cannot read the one asked for."""
+    (`mint.hub.engine_layout` of engines.adapter_layout); ConfigError when the engine cannot read the one asked for."""
     from mint.hub import engine_layout
 
     try:
-        return engine_layout(config.rollout.adapter_layout, adapter_config, model_config, config.rollout.backend)
+        return engine_layout(config.engines.adapter_layout, adapter_config, model_config, config.rollout.backend)
     except MintError as err:
-        raise ConfigError(f"rollout.adapter_layout: {err}") from None
+        raise ConfigError(f"engines.adapter_layout: {err}") from None
+
+
+def check_route_replay(model_config) -> None:
+    """R3 recomputes each replayed route's weights by its router's own rule: a base whose router class has none
+    (`longstraw.routing.ROUTER_RULES`) is refused here, read off a meta-device skeleton (no weights). A dense base
+    has no routers and nothing to replay."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from longstraw.errors import LongStrawError
+    from longstraw.routing import check_replayable, find_routers
+    from mint.models.specs import moe_layout
+
+    if moe_layout(model_config) is None:
+        return
+    with torch.device("meta"), warnings.catch_warnings(), _quiet("transformers"):
+        warnings.simplefilter("ignore")
+        skeleton = AutoModelForCausalLM.from_config(model_config)
+    try:
+        check_replayable(find_routers(skeleton))
+    except LongStrawError as err:
+        raise ConfigError(f"grpo.r3: {err}") from None
 
 
 def cpu_fp16_supported() -> bool:
@@ -321,16 +345,16 @@ def _eval_examples(config: Config) -> tuple[list[Example], bool]:
 
 
 def _catalog(config: Config) -> None:
-    """mint.catalog is a directory, or can be made one: the driver opens it after moving the previous run aside."""
-    if not config.mint.catalog:
+    """catalog.path is a directory, or can be made one: the driver opens it after moving the previous run aside."""
+    if not config.catalog.path:
         return  # <run dir>/catalog, made with the run directory
-    path = Path(config.mint.catalog)
+    path = Path(config.catalog.path)
     for at in (path, *path.parents):
         if at.is_dir():
             return
         if at.exists():
             where = "is a file" if at == path else f"cannot be made: {at} is a file"
-            raise ConfigError(f"mint.catalog: {path} {where}; give a directory (made when missing)")
+            raise ConfigError(f"catalog.path: {path} {where}; give a directory (made when missing)")
 
 
 def _model_config(model: _Model):

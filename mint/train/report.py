@@ -22,6 +22,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from mint.config.schema import RENAMED
 from mint.errors import MintError
 
 __all__ = ["EMA_ALPHA", "FIG_DPI", "FIG_SIZE", "PLOTS", "NotARunError", "ema", "load_run", "write_report"]
@@ -37,7 +38,7 @@ RECIPE_KEYS = (
     "rollout.group_size",
     "rollout.prompts_per_step",
     "rollout.max_tokens",
-    "learner.engine",
+    "learner.inner_step",
     "learner.lr",
     "longstraw.mode",
 )
@@ -229,8 +230,13 @@ def git_commit(where: Path | None = None) -> str:
 
 
 def _get(config: dict, dotted: str):
-    section, _, key = dotted.partition(".")
-    return config.get(section, {}).get(key, "unknown") if isinstance(config.get(section), dict) else "unknown"
+    """A key of a run's config.json; a run written before a key was renamed holds it under its old name."""
+    old = {new: old for old, new in RENAMED.items()}.get(dotted)
+    for name in (dotted, old) if old else (dotted,):
+        section, _, key = name.partition(".")
+        if isinstance(config.get(section), dict) and key in config[section]:
+            return config[section][key]
+    return "unknown"
 
 
 def _reward_summary(rows: list[dict], summary: dict) -> tuple:

@@ -1,22 +1,20 @@
 """RolloutActor: samples G responses per prompt on its rollout backend and scores them with the reward function.
 
 `rollout.backend = builtin`: the actor holds the frozen base plus a LoRA adapter of the same shape as the learner's
-and samples in process. `vllm` / `sglang`: it fronts engine servers (`rollout.urls[j::num_actors]` for actor j) and
+and samples in process. `vllm` / `sglang`: it fronts engine servers (`engines.urls[j::num_actors]` for actor j) and
 holds only the tokenizer; `mint.rollout.backends` speaks their protocols.
 
-Weight sync is a revision publish. `sync_adapter` takes the revision's safetensors bytes straight from the learner
-(an object ref: no driver hop), hashes them once (that hash is the revision id), and installs them: into the
-in-process adapter, or as a directory written on this actor's node in the layout its engines load (per-expert for
-expert LoRA on vLLM/SGLang, else PEFT: rollout.adapter_layout), loaded there (load_inplace on vLLM) before the call
-returns, so no later request samples the old revision. `load_adapter` does the same for bytes whose id is already
-known (checkpoint restore, a restarted actor, the overlapped loop) and refuses bytes that do not hash to it.
-`reinstall(url)` loads the current revision again on one engine that was restarted.
+Weight sync is a revision publish. `load_adapter(id, bytes)` takes the revision's safetensors bytes straight from
+the learner (an object ref: no driver hop), refuses bytes that do not hash to the id the driver admitted, and
+installs them: into the in-process adapter, or as a directory written on this actor's node in the layout its engines
+load (per-expert for expert LoRA on vLLM/SGLang, else PEFT: engines.adapter_layout), loaded there (load_inplace on
+vLLM) before the call returns, so no later request samples the old revision. `reinstall(url)` loads the current
+revision again on one engine that was restarted. The rollout fleet (mint.train.rollout_fleet) makes every call.
 """
 
 from __future__ import annotations
 
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from mint.config import Config
 from mint.errors import ConfigError, MintError
 from mint.rl.tasks import Example
 from mint.rollout.engine import GroupRollout, SamplingParams
+from mint.train import wire
 from mint.train.preflight import check_prompt_lengths, engine_adapter_layout
 
 
@@ -80,6 +79,7 @@ class RolloutActor:
 
         from mint.rl.reward_set import RewardSet
 
+        wire.register()  # the groups this actor returns carry their tensors as numpy buffers
         torch.set_num_threads(config.ray.torch_threads)
         self.config = config
         self.index = index
@@ -128,13 +128,13 @@ class RolloutActor:
         from mint.models.specs import moe_layout
         from mint.rollout.backends import http_backend
 
-        r = config.rollout
+        r, e = config.rollout, config.engines
         model_config = AutoConfig.from_pretrained(model_path)
         self.model = self.engine = None
         self.backend = http_backend(
-            r.backend, r.urls[index :: r.num_actors], moe_layout(model_config), r.engine_timeout
+            r.backend, e.urls[index :: r.num_actors], moe_layout(model_config), e.request_timeout
         )
-        self.adapter_root = Path(r.adapter_dir or run_dir(config) / "engine_adapters") / f"actor_{index}"
+        self.adapter_root = Path(e.adapter_dir or run_dir(config) / "engine_adapters") / f"actor_{index}"
         self.adapter_config = engine_adapter_config(config, model_config, model_path)
         self.adapter_meta = {
             "run": config.logging.name,
@@ -161,48 +161,23 @@ class RolloutActor:
 
         return f"(pid {os.getpid()} on {ray.util.get_node_ip_address()})"
 
-    def load_adapter(self, revision: str, data: bytes | None = None, catalog: str | None = None) -> str:
-        """Hot-load adapter revision `revision`; the base never moves.
-
-        With `data` (its safetensors bytes, as the driver ships them through the object store) the tensors must hash
-        to `revision`, or nothing is loaded; without, they are read from the `catalog` directory by id (hash
-        verified there). sha256 runs at about 1 GB/s, a small price next to sampling with the wrong weights.
-        """
-        from mint.errors import MintError
+    def load_adapter(self, revision: str, data: bytes) -> str:
+        """Hot-load adapter revision `revision` from `data`, its safetensors bytes as the driver ships them through
+        the object store; the base never moves. The tensors must hash to `revision`, or nothing is loaded: sha256
+        runs at about 1 GB/s, a small price next to sampling with the wrong weights."""
         from mint.hub import from_bytes, revision_id
 
-        if data is not None:
-            tensors = from_bytes(data)
-            if revision_id(tensors) != revision:
-                raise MintError(f"load_adapter: bytes do not hash to revision {revision[:12]}; refusing to load")
-        elif catalog is not None:
-            from mint.hub import Catalog
-
-            with Catalog(catalog, create=False) as store:
-                tensors, meta = store.load(revision)
-            revision = meta.id
-        else:
-            raise MintError("load_adapter: give the revision's bytes or a catalog to read it from")
+        tensors = from_bytes(data)
+        if revision_id(tensors) != revision:
+            raise MintError(f"load_adapter: bytes do not hash to revision {revision[:12]}; refusing to load")
         self._install(revision, tensors)
         return revision
 
-    def sync_adapter(self, data: bytes) -> dict:
-        """Weight sync straight from the learner: `data` (its safetensors bytes, fetched from the learner's object
-        store) is hashed once here, and that hash is the revision installed. Returns {"revision", "sync_s"}: the
-        id and this actor's seconds (hash, write, engine load); the driver checks every actor got the same id."""
-        from mint.hub import from_bytes, revision_id
-
-        t0 = time.perf_counter()
-        tensors = from_bytes(data)
-        revision = revision_id(tensors)
-        self._install(revision, tensors)
-        return {"revision": revision, "sync_s": time.perf_counter() - t0}
-
     def reinstall(self, url: str) -> bool:
-        """Load the current revision again on engine `url` only: the run restarted that server, which lost its
-        adapters (mint.train.engines.revive_engines). The revision's directory is still on this node (`_install`
-        keeps the current one). False when this actor does not front `url` or holds no revision yet (the new
-        server then serves the base, as the old one did)."""
+        """Load the current revision again on engine `url` only: the rollout fleet restarted that server, which lost
+        its adapters. The revision's directory is still on this node (`_install` keeps the current one). False when
+        this actor does not front `url` or holds no revision yet (the new server then serves the base, as the old
+        one did)."""
         url = url.rstrip("/")
         if self.config.rollout.backend == "builtin" or self.revision is None or url not in self.backend.urls:
             return False
@@ -211,7 +186,7 @@ class RolloutActor:
 
     def _install(self, revision: str, tensors: dict) -> None:
         """Make `revision` the adapter every later sample uses: in process, or on the engines through a directory on
-        this node in the layout they load (`rollout.adapter_layout`; split once per revision, written atomically; the
+        this node in the layout they load (`engines.adapter_layout`; split once per revision, written atomically; the
         current and the previous revision's directories stay)."""
         if self.config.rollout.backend == "builtin":
             self.backend.load_tensors(tensors)

@@ -1,10 +1,18 @@
-"""The pieces of one GRPO step between rollout and logging: advantages, the learner's plans, learn, publish.
+"""The pieces of one GRPO step that need no Ray: advantages, the learner's plans, and what publishing a revision
+writes.
 
-Weight sync *is* revision publish: each step's LoRA tensors become a revision in the catalog (<run>/catalog by
-default, with lineage and the step's rollout records), and every `save_every` steps are also exported to
-<run>/adapters as a PEFT adapter directory. The rollout actors take the bytes straight from learner rank 0's object
-store (no driver hop); the driver checks them for NaN/inf and hashes them, and a CatalogWriter writes the catalog copy
-while the learner trains on the next step. The driver's `sync_s` metric times the sync (docs/rollout.md).
+Weight sync *is* revision publish, in three explicit steps the driver takes (mint.train.driver):
+
+    admit      `RunCatalog.admit`: the learner's new adapter may be published only when every tensor is finite
+               (NaN/inf refused in one line: they never reach an engine or the catalog); its sha256 is the revision
+               id, with lineage to the revision before it
+    broadcast  the rollout fleet loads that id (mint.train.rollout_fleet; the bytes go straight from learner rank 0's
+               object store to each actor, no driver hop, and each actor refuses bytes that do not hash to the id)
+    write      `RunCatalog.write`, on a CatalogWriter thread: the revision and the step's rollout records go into the
+               catalog (<run>/catalog by default) while the learner trains on the next step
+
+Every `catalog.export_every` steps the revision is also exported to <run>/adapters as a PEFT adapter directory
+(`save_revision`). The driver's `sync_s` metric times admit and broadcast (docs/rollout.md).
 """
 
 from __future__ import annotations
@@ -20,19 +28,18 @@ from pathlib import Path
 
 import torch
 
-from longstraw.trust import TrustCounts
 from mint.config import Config
-from mint.errors import MintError
 from mint.hub import Catalog, from_bytes
 from mint.rl.grpo import group_advantages_batch, zero_variance_mask
-from mint.train.cluster import Cluster, finish_sync, gather, load_revision, submit_sync
-from mint.train.context_parallel import cp_group_ranks, data_parallel_size, replicate_plans
-from mint.train.learner import GroupBatch, MicroStep, StepPlan
+from mint.train.context_parallel import data_parallel_size, replicate_plans
+from mint.train.inner_step import GroupBatch, MicroStep, StepPlan
 from mint.train.rollout_actor import GroupResult
 
 
 @dataclass
 class Revision:
+    """A published adapter revision: its id (the sha256 of its tensors), the step that made it, its bytes."""
+
     id: str
     step: int
     ref: object = field(repr=False)  # its safetensors bytes in the object store (learner rank 0's result): reloads
@@ -45,12 +52,6 @@ def _fingerprint(model_path: str) -> str:
     from mint.hub import base_fingerprint
 
     return base_fingerprint(model_path)
-
-
-def request_state(cluster: Cluster) -> list:
-    """Ask every learner rank for the adapter's safetensors bytes (rank 0's result holds them; every rank takes part,
-    since the state may be gathered), without waiting."""
-    return [learner.lora_state_bytes.remote() for learner in cluster.learners]
 
 
 class CatalogWriter:
@@ -68,9 +69,10 @@ class CatalogWriter:
         self._pending: list[Future] = []
         self.seconds = 0.0  # the seconds of the latest copy seen to finish (the catalog_s metric)
 
-    def submit(self, fn: Callable[[], float]) -> None:
+    def submit(self, fn: Callable[..., float], *args) -> None:
+        """Queue `fn(*args)` (a write that returns its seconds) behind the writes queued before it."""
         self._raise_failed()
-        self._pending.append(self._pool.submit(fn))
+        self._pending.append(self._pool.submit(fn, *args))
 
     def wait(self) -> None:
         pending, self._pending = self._pending, []
@@ -98,80 +100,64 @@ class CatalogWriter:
             self.seconds = self._pending.pop(0).result()
 
 
-def publish(
-    cluster: Cluster,
-    store: Catalog,
-    config: Config,
-    model_path: str,
-    adapter_config: dict,
-    step: int,
-    parent: Revision | None,
-    results: list[GroupResult] | None = None,
-    metrics: dict | None = None,
-    load: Callable[[Cluster, str, object], None] = load_revision,
-    writer: CatalogWriter | None = None,
-    refs: list | None = None,
-) -> Revision:
-    """Publish the learner's LoRA state as a catalog revision and hot-load it into every rollout actor by id.
+@dataclass(frozen=True)
+class Admitted:
+    """A step's adapter the driver may publish: its tensors (all finite) and the revision they make."""
 
-    The step's rollout records are stored beside it, under the revision that sampled them (`parent`, or an older one
-    when rollout.max_staleness lets rollout run ahead). The actors receive the id with the safetensors bytes and
-    refuse bytes that do not hash to it. `load(cluster, id, bytes_ref)` hands it to them: load_revision waits for
-    every actor; the overlapped loop queues the loads behind the rollouts in flight. Either way the bytes go from
-    learner rank 0's object store to the actors (no driver hop). With a `writer` the catalog copy is written off
-    the critical path (CatalogWriter); without, before this returns. An update that left the adapter unchanged
-    (same id as the parent) publishes nothing new and returns the parent. `refs`: every rank's `lora_state_bytes`
-    call, when the caller made them already (`request_state`: the overlapped loop queues the next step's learning
-    behind them).
-    """
-    # Direct sync (the default `load`): the actors fetch rank 0's bytes from the learner's object store and hash
-    # them once while the driver fetches its own copy for the catalog; the ids must agree.
-    direct = load is load_revision
-    refs = refs or request_state(cluster)
-    syncs = submit_sync(cluster, refs[0]) if direct else None
-    data = gather(refs, cluster, "publish")[0]
-    tensors = from_bytes(data)
-    rid = store.admit(tensors, config.logging.name, step)  # NaN/inf never reach an engine
-    copy = functools.partial(
-        _catalog_copy, store, config, model_path, adapter_config, step, parent, results, metrics, tensors, rid
-    )
-    if writer is None:
-        copy()
-    else:
-        writer.submit(copy)
-    if direct:
-        synced, _ = finish_sync(cluster, syncs, refs[0])
-        if synced != rid:
-            raise MintError(f"weight sync: the rollout actors hold {synced[:12]}, the learner's bytes are {rid[:12]}")
-    if parent is not None and rid == parent.id:
-        return parent
-    rev = Revision(rid, step, refs[0], parent.id if parent is not None else None)
-    if not direct:
-        load(cluster, rid, refs[0])
-    return rev
+    step: int
+    revision: Revision  # the new revision; the parent itself when the update left the adapter unchanged
+    parent: Revision | None
+    tensors: dict = field(repr=False)
+
+    @property
+    def new(self) -> bool:
+        """Whether there is anything to broadcast (an unchanged adapter is the revision the actors hold already)."""
+        return self.parent is None or self.revision.id != self.parent.id
 
 
-def _catalog_copy(store, config, model_path, adapter_config, step, parent, results, metrics, tensors, rid) -> float:
-    """Write one revision (and the rollout records of the step that made it) into the catalog; its seconds."""
-    from mint.hub import write_step
+@dataclass(frozen=True)
+class RunCatalog:
+    """The run's catalog, and what every revision of the run is stored with."""
 
-    t0 = time.perf_counter()
-    run = config.logging.name
-    if results and parent is not None:
-        write_step(store, run, step, results[0].revision or parent.id, results, config.mint.rollout_records)
-    store.put(  # writes nothing for tensors already in the catalog
-        tensors,
-        adapter_config,
-        run=run,
-        step=step,
-        parent=parent.id if parent is not None else None,
-        recipe_hash=config.digest(),
-        base_model=config.model.path,
-        base_fingerprint=_fingerprint(model_path),
-        metrics=metrics or {},
-        admitted=rid,  # checked and hashed by publish already
-    )
-    return time.perf_counter() - t0
+    store: Catalog
+    config: Config
+    model_path: str  # the driver's copy of the base: its fingerprint goes into every revision
+    adapter_config: dict  # adapter_config.json as the learner's PEFT model writes it
+
+    def admit(self, step: int, parent: Revision | None, data: bytes, ref) -> Admitted:
+        """Decide whether step `step`'s adapter (`data`, its safetensors bytes; `ref`, their object ref in learner
+        rank 0's store) may be published: every tensor finite (one MintError line otherwise), hashed to the revision
+        id. An update that left the adapter unchanged (the id of `parent`) admits the parent again."""
+        tensors = from_bytes(data)
+        rid = self.store.admit(tensors, self.config.logging.name, step)
+        if parent is not None and rid == parent.id:
+            return Admitted(step, parent, parent, tensors)
+        return Admitted(step, Revision(rid, step, ref, parent.id if parent is not None else None), parent, tensors)
+
+    def write(self, admitted: Admitted, results: list[GroupResult] | None = None, metrics: dict | None = None) -> float:
+        """Write an admitted revision into the catalog, with the rollout records of the step that made it (stored
+        under the revision that sampled them: the parent, or an older one when rollout.max_staleness lets rollout
+        run ahead); its seconds. Writes no tensors the catalog holds already."""
+        from mint.hub import write_step
+
+        t0 = time.perf_counter()
+        config, step, parent = self.config, admitted.step, admitted.parent
+        run = config.logging.name
+        if results and parent is not None:
+            write_step(self.store, run, step, results[0].revision or parent.id, results, config.catalog.rollout_records)
+        self.store.put(
+            admitted.tensors,
+            self.adapter_config,
+            run=run,
+            step=step,
+            parent=parent.id if parent is not None else None,
+            recipe_hash=config.digest(),
+            base_model=config.model.path,
+            base_fingerprint=_fingerprint(self.model_path),
+            metrics=metrics or {},
+            admitted=admitted.revision.id,  # checked and hashed by admit already
+        )
+        return time.perf_counter() - t0
 
 
 def plan_step(
@@ -228,47 +214,18 @@ def make_batches(config: Config, results: list[GroupResult]) -> tuple[list[Group
     return batches, rewards_B_G
 
 
-def submit_learn(cluster: Cluster, batches: list[GroupBatch], step: int) -> list:
-    """Queue one optimizer step on every learner rank without waiting: the calls, in rank order (collect_learn)."""
-    plans = plan_step(batches, len(cluster.learners), step, cluster.context_parallel, cluster.expert_parallel)
-    return [lr.step.remote(p) for lr, p in zip(cluster.learners, plans, strict=True)]
-
-
-def collect_learn(cluster: Cluster, futures: list, step: int) -> dict:
-    """Wait for submit_learn's calls: the ranks' sums (loss, kl, clipped, tokens), maxima, the global gradient norm,
-    whether the step was skipped (a non-finite gradient: nothing changed), and `learner_s`, the slowest rank's own
-    seconds in the step."""
-    per_rank = gather(futures, cluster, f"step {step}")
-    # Under context parallel the first rank of each CP group reports its replica; its CP peers ran the same groups.
-    replicas = [
-        per_rank[ranks[0]] for ranks in cp_group_ranks(len(per_rank), cluster.context_parallel, cluster.expert_parallel)
-    ]
-    sums = {k: sum(r[k] for r in replicas) for k in ("loss", "kl", "clipped", "tokens")}
-    sums.update({k: max(r[k] for r in per_rank) for k in ("peak_memory_mb", "logp_diff_max")})
-    sums["learner_s"] = max(r["seconds"] for r in per_rank)
-    sums["grad_norm"] = per_rank[0]["grad_norm"]  # already global: DeepSpeed reduces it across ranks
-    sums["lr"] = per_rank[0]["lr"]
-    sums["skipped"] = any(r["skipped"] for r in per_rank)
-    sums["bad"] = any(r["bad"] for r in per_rank)
-    trust = TrustCounts()
-    for r in replicas:
-        trust.add(r["trust"])
-    sums.update(trust.metrics())
-    return sums
-
-
 def save_revision(config: Config, out: Path, store: Catalog, rev: Revision) -> Path:
     """Export the revision as a PEFT adapter directory in <run>/adapters/step_NNNNNN, then apply retention:
-    `mint.keep_last` revisions of this run keep their tensors in the catalog (plus tagged and named ones; entries
+    `catalog.keep_last` revisions of this run keep their tensors in the catalog (plus tagged and named ones; entries
     and lineage stay) and as adapter directories."""
     from mint.hub import export_peft
 
     target = out / "adapters" / f"step_{rev.step:06d}"
     if not target.exists():
         export_peft(store, rev.id, target)
-    if config.mint.keep_last:
-        store.gc(config.mint.keep_last, run=config.logging.name)
+    if config.catalog.keep_last:
+        store.gc(config.catalog.keep_last, run=config.logging.name)
         kept = sorted((out / "adapters").glob("step_*"))
-        for old in kept[: -config.mint.keep_last]:
+        for old in kept[: -config.catalog.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return target

@@ -1,22 +1,23 @@
-"""Engine servers started under Ray (`rollout.engines = N`): vLLM or SGLang, or anything that speaks their protocol.
+"""Engine servers run as Ray actors (`engines.start = N`): vLLM or SGLang, or anything that speaks their protocol.
 
 Each `EngineServer` actor launches one server as a subprocess on its node, with the argv `launch_argv` renders from
-the `rollout.engine_command` template (or the backend's default launch line) and `rollout.engine_path` first on its
+the `engines.command` template (or the backend's default launch line) and `engines.path` first on its
 PATH, in a process group of its own, writes its output to a log file, and waits for the server's `/health` to
-answer 200. Its URL then goes into `rollout.urls` for the rollout actors, which front
+answer 200. Its URL then goes into `engines.urls` for the rollout actors, which front
 the engines exactly as they front servers that already run (actor j: `urls[j::num_actors]`).
 
-- A server that exits, or does not answer within `rollout.engine_start_timeout`, stops the run with one line naming
+- A server that exits, or does not answer within `engines.start_timeout`, stops the run with one line naming
   the engine, its log and the log's last words.
-- A server that dies later is restarted, up to `rollout.engine_restarts` times per engine (`revive_engines`, asked
-  when a rollout or a weight sync fails): the same argv again, so the same host and port and the URL the rollout
-  actors hold stays valid; every rollout actor that fronts it loads its current revision on it again, and the
-  driver redoes the failed work. Past that budget the run ends with one line naming the engine and its log.
-- `stop_engines` ends every server's whole process group (SIGTERM, then SIGKILL); the cluster calls it on every way
-  out of a run (end, error, Ctrl-C). The server itself also gets SIGTERM when its actor's process dies
+- A server that dies later is restarted, up to `engines.restarts` times per engine (`EngineServers.restart_dead`,
+  asked by the rollout fleet when a rollout or a revision load fails on an engine): the same argv again, so the
+  same host and port and the URL the rollout actors hold stays valid; the fleet (mint.train.rollout_fleet) then has
+  every rollout actor that fronts it load its current revision on it again and redoes the failed work. Past that
+  budget the run ends with one line naming the engine and its log.
+- `EngineServers.stop` ends every server's whole process group (SIGTERM, then SIGKILL); the fleet calls it on every
+  way out of a run (end, error, Ctrl-C). The server itself also gets SIGTERM when its actor's process dies
   (PR_SET_PDEATHSIG), so a killed actor leaves no server behind.
 
-Engines are plain Ray actors outside the run's placement group: `rollout.engine_tp` GPUs each on a run with GPUs
+Engines are plain Ray actors outside the run's placement group: `engines.tp` GPUs each on a run with GPUs
 (`ray.learner_gpus` or `ray.rollout_gpus` > 0; Ray sets CUDA_VISIBLE_DEVICES, which the server inherits), no
 resources on CPU.
 """
@@ -46,10 +47,10 @@ from mint.errors import ConfigError, MintError
 
 # Ray is imported inside the functions that use it: preflight checks the launch line (check_launch) before Ray is.
 
-# The documented launch lines: LoRA on, tensor parallel engine_tp, the base's dtype (vLLM on CPU would otherwise serve
+# The documented launch lines: LoRA on, tensor parallel engines.tp, the base's dtype (vLLM on CPU would otherwise serve
 # an fp32 checkpoint in bf16), routed experts on an MoE base (vLLM refuses the flag on a dense one: "No supported MoE
 # router found for routed-experts capture"). `vllm serve` replaces the deprecated `python -m
-# vllm.entrypoints.openai.api_server`; rollout.engine_path puts a vLLM installed in a virtualenv of its own first.
+# vllm.entrypoints.openai.api_server`; engines.path puts a vLLM installed in a virtualenv of its own first.
 DEFAULT_COMMANDS = {
     "vllm": (
         "vllm serve {model} --host {host} --port {port} --dtype {dtype} --tensor-parallel-size {tp} --enable-lora "
@@ -96,10 +97,10 @@ def _port_taken(host: str, port: int, wait: float) -> str:
 
 
 def engine_command(config: Config) -> str:
-    """The launch template of this run's engines: rollout.engine_command, else the backend's default."""
-    if not config.rollout.engine_command and config.rollout.backend not in DEFAULT_COMMANDS:
+    """The launch template of this run's engines: engines.command, else the backend's default."""
+    if not config.engines.command and config.rollout.backend not in DEFAULT_COMMANDS:
         raise ConfigError(f"rollout.backend: {config.rollout.backend} starts no engine servers (use vllm or sglang)")
-    return config.rollout.engine_command or DEFAULT_COMMANDS[config.rollout.backend]
+    return config.engines.command or DEFAULT_COMMANDS[config.rollout.backend]
 
 
 def lora_modules(config: Config) -> list[str]:
@@ -118,31 +119,31 @@ def vllm_lora_rank(rank: int) -> int:
 def check_launch(config: Config) -> None:
     """One-line ConfigError when the engines' launch line passes a value the engine refuses at start: a lora.rank
     above 512 in vLLM's {max_lora_rank}, or a lora.target_modules name outside SGLang's --lora-target-modules
-    choices in {lora_modules}. Pure: preflight runs it before anything starts (for rollout.engines > 0)."""
+    choices in {lora_modules}. Pure: preflight runs it before anything starts (for engines.start > 0)."""
     r = config.rollout
     names = {name for _, name, _, _ in string.Formatter().parse(engine_command(config)) if name}
     rank, most = config.lora.rank, VLLM_LORA_RANKS[-1]
     if r.backend == "vllm" and "max_lora_rank" in names and rank > most:
         raise ConfigError(
             f"lora.rank: {rank} is above {most}, the largest --max-lora-rank vLLM accepts (rollout.backend = vllm "
-            f"with rollout.engines); use lora.rank <= {most}"
+            f"with engines.start); use lora.rank <= {most}"
         )
     if r.backend == "sglang" and "lora_modules" in names:
         bad = [m for m in lora_modules(config) if m not in SGLANG_LORA_MODULES]
         if bad:
             raise ConfigError(
                 f"lora.target_modules: SGLang's --lora-target-modules does not take {bad[0]!r} (rollout.backend = "
-                f"sglang with rollout.engines); it takes {', '.join(SGLANG_LORA_MODULES)}"
+                f"sglang with engines.start); it takes {', '.join(SGLANG_LORA_MODULES)}"
             )
 
 
 def launch_argv(config: Config, values: dict) -> list[str]:
-    """One engine server's argv, exactly as `EngineServer` runs it: the launch template (rollout.engine_command, else
+    """One engine server's argv, exactly as `EngineServer` runs it: the launch template (engines.command, else
     DEFAULT_COMMANDS[rollout.backend]) split like a shell line (shlex), then each word's placeholders filled.
 
-    config  the run's config, which gives {tp} (rollout.engine_tp), {dtype} (model.dtype), {max_lora_rank}
+    config  the run's config, which gives {tp} (engines.tp), {dtype} (model.dtype), {max_lora_rank}
             (lora.rank; with rollout.backend = vllm rounded up to the next rank vLLM accepts, VLLM_LORA_RANKS),
-            {lora_modules} (`lora_modules`), {adapter_dir} (rollout.adapter_dir, else <run dir>/engine_adapters) and
+            {lora_modules} (`lora_modules`), {adapter_dir} (engines.adapter_dir, else <run dir>/engine_adapters) and
             {python} (this process's interpreter: Mint's own Python).
     values  what the launcher knows: "model" (the base's local path, as the server loads it), "host" and "port"
             (where it listens), and optionally "index" (the engine's number; default 0) and "moe" (whether the base is
@@ -154,14 +155,14 @@ def launch_argv(config: Config, values: dict) -> list[str]:
     value the engine would refuse (`check_launch`). Needs no Ray and starts nothing.
     """
     check_launch(config)
-    r, rank = config.rollout, config.lora.rank
+    e, rank = config.engines, config.lora.rank
     fill = {
         "python": sys.executable,
-        "tp": r.engine_tp,
+        "tp": e.tp,
         "dtype": config.model.dtype,
-        "max_lora_rank": vllm_lora_rank(rank) if r.backend == "vllm" else rank,
+        "max_lora_rank": vllm_lora_rank(rank) if config.rollout.backend == "vllm" else rank,
         "lora_modules": lora_modules(config),
-        "adapter_dir": r.adapter_dir or str(default_run_dir(config) / "engine_adapters"),
+        "adapter_dir": e.adapter_dir or str(default_run_dir(config) / "engine_adapters"),
         "index": 0,
         **{k: v for k, v in values.items() if k != "moe"},
         "routed_experts": [ROUTED_EXPERTS_FLAG] if values.get("moe", True) else [],
@@ -188,9 +189,9 @@ def log_tail(path: str | Path, chars: int = TAIL_CHARS) -> str:
 
 
 class EngineServer:
-    """One engine server process on this actor's node (made a Ray actor by `start_engines`): `launch_argv(config,
-    values)` with this node's host (or `values["host"]`: a benchmark serves on 127.0.0.1), a free port and `index`
-    added, its environment os.environ + `env` with rollout.engine_path first on PATH."""
+    """One engine server process on this actor's node (made a Ray actor by `EngineServers.start`):
+    `launch_argv(config, values)` with this node's host (or `values["host"]`: a benchmark serves on 127.0.0.1), a free
+    port and `index` added, its environment os.environ + `env` with engines.path first on PATH."""
 
     def __init__(
         self,
@@ -204,8 +205,8 @@ class EngineServer:
     ):
         self.index = index
         self.log_path = log_path
-        self.max_restarts = max_restarts  # rollout.engine_restarts
-        self.start_timeout = start_timeout  # rollout.engine_start_timeout: the default wait of a restart
+        self.max_restarts = max_restarts  # engines.restarts
+        self.start_timeout = start_timeout  # engines.start_timeout: the default wait of a restart
         self.restarts = 0
         if "host" in values:
             self.host = values["host"]
@@ -219,8 +220,8 @@ class EngineServer:
         self.url = f"http://{self.host}:{self.port}"
         self.argv = launch_argv(config, {**values, "host": self.host, "port": self.port, "index": index})
         self.env = {**os.environ, **env}
-        if config.rollout.engine_path:
-            self.env["PATH"] = os.pathsep.join(p for p in (config.rollout.engine_path, self.env.get("PATH")) if p)
+        if config.engines.path:
+            self.env["PATH"] = os.pathsep.join(p for p in (config.engines.path, self.env.get("PATH")) if p)
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - the server writes to it for as long as it runs
         self.stopped, self.start_error, self.proc = False, "", None
@@ -250,7 +251,7 @@ class EngineServer:
                 preexec_fn=die_with_actor,
             )
         except OSError as err:
-            self.start_error = f"{self.name()} could not start {self.argv[0]!r}: {err} (rollout.engine_path)"
+            self.start_error = f"{self.name()} could not start {self.argv[0]!r}: {err} (engines.path)"
 
     def name(self) -> str:
         return (
@@ -277,7 +278,7 @@ class EngineServer:
             if time.monotonic() > deadline:
                 self.stop()
                 raise MintError(
-                    f"{self.name()} did not answer /health within {timeout:g} s (rollout.engine_start_timeout): "
+                    f"{self.name()} did not answer /health within {timeout:g} s (engines.start_timeout): "
                     f"{log_tail(self.log_path)}"
                 )
             time.sleep(HEALTH_POLL_S)
@@ -293,9 +294,9 @@ class EngineServer:
 
     def restart(self, timeout: float | None = None) -> str:
         """Launch a server that died (not one stopped by us) again with the same argv, so on the same host and port,
-        and wait up to `timeout` s (default rollout.engine_start_timeout) for its /health: its URL, which the
+        and wait up to `timeout` s (default engines.start_timeout) for its /health: its URL, which the
         rollout actors already hold. A new server that exits before it is healthy counts as one more restart and is
-        launched again while restarts are left. One line when it is out of restarts (rollout.engine_restarts), when
+        launched again while restarts are left. One line when it is out of restarts (engines.restarts), when
         the port cannot be bound again, or when the new server does not answer in time."""
         wait = self.start_timeout if timeout is None else timeout
         while True:
@@ -310,7 +311,7 @@ class EngineServer:
                         f"could not start ({self.start_error})" if self.start_error else f"died with exit code {code}"
                     )
                     raise MintError(
-                        f"{self.name()} {died} after {self.restarts} restart(s) (rollout.engine_restarts = "
+                        f"{self.name()} {died} after {self.restarts} restart(s) (engines.restarts = "
                         f"{self.max_restarts}): {log_tail(self.log_path)}"
                     )
                 self.restarts += 1
@@ -334,7 +335,7 @@ class EngineServer:
         return self.proc.pid if self.proc is not None else 0
 
     def restart_count(self) -> tuple[int, int]:
-        """(restarts so far, rollout.engine_restarts)."""
+        """(restarts so far, engines.restarts)."""
         return self.restarts, self.max_restarts
 
     def stop(self) -> int | None:
@@ -361,120 +362,109 @@ class EngineServer:
             return self.proc.poll()
 
 
-def start_engines(config: Config, model_path: str, run_dir: str | Path | None) -> tuple[list, list[str]]:
-    """Start `rollout.engines` servers as Ray actors and wait until every one is healthy: (actors, urls). One line
-    naming the first engine that fails; the others are stopped then."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayTaskError
-    from transformers import AutoConfig
+class EngineServers:
+    """The engine servers a run started (`engines.start`): their actors, and every call the driver makes to them.
+    The rollout fleet (mint.train.rollout_fleet) owns one and decides when a dead server is restarted."""
 
-    from mint.models.specs import moe_layout
+    def __init__(self, actors: list, urls: list[str]):
+        self.actors = actors
+        self.urls = urls
 
-    r = config.rollout
-    root = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="mint-engines-"))
-    if r.engine_path:  # a relative one is taken from here, not from the engine actor's working directory
-        r = dataclasses.replace(r, engine_path=str(Path(r.engine_path).absolute()))
-        config = dataclasses.replace(config, rollout=r)
-    values = {"model": model_path, "moe": moe_layout(AutoConfig.from_pretrained(model_path)) is not None}
-    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "TOKENIZERS_PARALLELISM": "false"}
-    # A run on GPUs gives each engine engine_tp whole GPUs; the rollout actors beside them only talk HTTP, so they
-    # need none (ray.rollout_gpus = 0). Tied to ray.rollout_gpus alone, the engines' GPUs forced a GPU share on every
-    # rollout actor too, and on 8 GPUs (4 learner, two engines of TP 2) the fractional shares left 3 whole GPUs.
-    on_gpus = config.ray.learner_gpus > 0 or config.ray.rollout_gpus > 0
-    gpus = r.engine_tp if on_gpus else 0
-    # max_concurrency 2: stop() runs while wait_healthy() still polls (another engine failed first)
-    cls = ray.remote(max_restarts=0, max_concurrency=2)(EngineServer).options(num_cpus=0, num_gpus=gpus)
-    logs = [str(root / "engines" / f"engine_{i}.log") for i in range(r.engines)]
-    actors = [
-        cls.remote(i, config, values, logs[i], env, r.engine_restarts, r.engine_start_timeout) for i in range(r.engines)
-    ]
-    try:
-        urls = ray.get(
-            [a.wait_healthy.remote(r.engine_start_timeout) for a in actors], timeout=r.engine_start_timeout + 60
+    @classmethod
+    def start(cls, config: Config, model_path: str, run_dir: str | Path | None) -> EngineServers:
+        """Start `engines.start` servers as Ray actors and wait until every one is healthy. One line naming the
+        first engine that fails; the others are stopped then."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayTaskError
+        from transformers import AutoConfig
+
+        from mint.models.specs import moe_layout
+
+        e = config.engines
+        root = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="mint-engines-"))
+        if e.path:  # a relative one is taken from here, not from the engine actor's working directory
+            e = dataclasses.replace(e, path=str(Path(e.path).absolute()))
+            config = dataclasses.replace(config, engines=e)
+        values = {"model": model_path, "moe": moe_layout(AutoConfig.from_pretrained(model_path)) is not None}
+        env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "TOKENIZERS_PARALLELISM": "false"}
+        # A run on GPUs gives each engine engines.tp whole GPUs; the rollout actors beside them only talk HTTP, so
+        # they need none (ray.rollout_gpus = 0). Tied to ray.rollout_gpus alone, the engines' GPUs forced a GPU share
+        # on every rollout actor too, and on 8 GPUs (4 learner, two engines of TP 2) the fractional shares left 3
+        # whole GPUs.
+        on_gpus = config.ray.learner_gpus > 0 or config.ray.rollout_gpus > 0
+        gpus = e.tp if on_gpus else 0
+        # max_concurrency 2: stop() runs while wait_healthy() still polls (another engine failed first)
+        remote = ray.remote(max_restarts=0, max_concurrency=2)(EngineServer).options(num_cpus=0, num_gpus=gpus)
+        logs = [str(root / "engines" / f"engine_{i}.log") for i in range(e.start)]
+        servers = cls(
+            [remote.remote(i, config, values, logs[i], env, e.restarts, e.start_timeout) for i in range(e.start)], []
         )
-    except GetTimeoutError:
-        stop_engines(actors)
-        raise MintError(
-            f"rollout engines: {r.engines} engine(s) of {gpus:g} GPU(s) each were not up within "
-            f"{r.engine_start_timeout:g} s (rollout.engine_start_timeout); the cluster may lack free GPUs"
-        ) from None
-    except RayTaskError as err:  # the engine's own one line, without Ray's traceback around it
-        stop_engines(actors)
-        raise MintError(str(err.cause) if isinstance(err.cause, MintError) else f"rollout engines: {err}") from None
-    except BaseException:
-        stop_engines(actors)
-        raise
-    return actors, urls
-
-
-def check_engines(engines: list) -> None:
-    """Raise one line naming the first engine whose server died (or whose actor is gone); nothing when all run."""
-    import ray
-
-    for i, actor in enumerate(engines):
         try:
-            line = ray.get(actor.status.remote(), timeout=30)
-        except Exception as err:  # the actor itself is gone (its node left, or it was killed)
-            line = f"rollout engine {i} is gone ({type(err).__name__})"
-        if line:
-            raise MintError(line)
-
-
-def revive_engines(cluster) -> bool:
-    """After a rollout or a weight sync failed with a MintError: restart every engine server of `cluster` (a
-    mint.train.cluster.Cluster: its engines, rollouts and engine_restarts) that died, then have every rollout actor
-    that fronts a restarted one load its current revision on it again. True when one was restarted: the caller then
-    redoes the failed work. False when none is dead (or the run started none): the failure is something else.
-    Raises one line for an engine out of restarts (rollout.engine_restarts) or whose actor is gone.
-
-    Until a rollout actor has reinstalled its revision on the new server, a request there names an adapter the
-    server does not hold and fails: no sample comes from an engine without the revision the call names."""
-    import ray
-    from ray.exceptions import RayActorError, RayTaskError
-
-    revived = []
-    for i, actor in enumerate(cluster.engines):
-        try:
-            line = ray.get(actor.status.remote(), timeout=30)
-        except Exception as err:  # the actor itself is gone (its node left, or it was killed): nothing to restart
-            raise MintError(f"rollout engine {i} is gone ({type(err).__name__})") from None
-        if not line:
-            continue
-        before, most = ray.get(actor.restart_count.remote())
-        try:  # bounded by the restart's own wait for /health (rollout.engine_start_timeout)
-            url = ray.get(actor.restart.remote())
+            servers.urls = ray.get(
+                [a.wait_healthy.remote(e.start_timeout) for a in servers.actors], timeout=e.start_timeout + 60
+            )
+        except GetTimeoutError:
+            servers.stop()
+            raise MintError(
+                f"rollout engines: {e.start} engine(s) of {gpus:g} GPU(s) each were not up within "
+                f"{e.start_timeout:g} s (engines.start_timeout); the cluster may lack free GPUs"
+            ) from None
         except RayTaskError as err:  # the engine's own one line, without Ray's traceback around it
-            raise MintError(" ".join(str(err.cause).split())) from None
-        n, _ = ray.get(actor.restart_count.remote())
-        cluster.engine_restarts += n - before
-        print(f"mint: {line}; restarted it at {url} ({n}/{most}, rollout.engine_restarts)", file=sys.stderr)
-        revived.append(url)
-    for url in revived:
-        calls = [r.reinstall.remote(url) for r in cluster.rollouts]
-        for call in calls:
+            servers.stop()
+            raise MintError(str(err.cause) if isinstance(err.cause, MintError) else f"rollout engines: {err}") from None
+        except BaseException:
+            servers.stop()
+            raise
+        return servers
+
+    def check(self) -> None:
+        """Raise one line naming the first engine whose server died (or whose actor is gone); nothing when all run."""
+        import ray
+
+        for i, actor in enumerate(self.actors):
             try:
-                ray.get(call)
-            except RayActorError:  # a dead rollout actor is loaded again when its work is redone
-                pass
-            except RayTaskError as err:  # the new server refused the load, or died already
-                cause = " ".join(str(err.cause).split())  # one line, without Ray's traceback
-                raise MintError(
-                    f"rollout engine at {url}: loading the revision again after its restart failed: {cause}"
-                ) from None
-    return bool(revived)
+                line = ray.get(actor.status.remote(), timeout=30)
+            except Exception as err:  # the actor itself is gone (its node left, or it was killed)
+                line = f"rollout engine {i} is gone ({type(err).__name__})"
+            if line:
+                raise MintError(line)
 
+    def restart_dead(self) -> list[tuple[str, int]]:
+        """Restart every server that died (the same argv: the same URL): [(its URL, the restarts that took)], with a
+        line on stderr for each. Raises one line for an engine out of restarts (engines.restarts), one that does not
+        come back healthy, or one whose actor is gone."""
+        import ray
+        from ray.exceptions import RayTaskError
 
-def stop_engines(engines: list) -> None:
-    """Stop every engine's server (its whole process group), then the actors. Never raises."""
-    import ray
+        restarted = []
+        for i, actor in enumerate(self.actors):
+            try:
+                line = ray.get(actor.status.remote(), timeout=30)
+            except Exception as err:  # the actor itself is gone (its node left, or it was killed): no restart
+                raise MintError(f"rollout engine {i} is gone ({type(err).__name__})") from None
+            if not line:
+                continue
+            before, most = ray.get(actor.restart_count.remote())
+            try:  # bounded by the restart's own wait for /health (engines.start_timeout)
+                url = ray.get(actor.restart.remote())
+            except RayTaskError as err:  # the engine's own one line, without Ray's traceback around it
+                raise MintError(" ".join(str(err.cause).split())) from None
+            n, _ = ray.get(actor.restart_count.remote())
+            print(f"mint: {line}; restarted it at {url} ({n}/{most}, engines.restarts)", file=sys.stderr)
+            restarted.append((url, n - before))
+        return restarted
 
-    calls = []
-    for actor in engines:
-        with contextlib.suppress(Exception):
-            calls.append(actor.stop.remote())
-    for call in calls:
-        with contextlib.suppress(Exception):
-            ray.get(call, timeout=STOP_WAIT_S + 15)
-    for actor in engines:
-        with contextlib.suppress(Exception):
-            ray.kill(actor, no_restart=True)
+    def stop(self) -> None:
+        """Stop every engine's server (its whole process group), then the actors. Never raises."""
+        import ray
+
+        calls = []
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                calls.append(actor.stop.remote())
+        for call in calls:
+            with contextlib.suppress(Exception):
+                ray.get(call, timeout=STOP_WAIT_S + 15)
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
