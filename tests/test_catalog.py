@@ -217,7 +217,7 @@ def test_rollout_records_round_trip_linked_by_revision(tmp_path):
 
 
 def test_trainer_retention_exports_peft_dirs_and_reclaims_old_tensors(tmp_path):
-    config = build_config({}, [f"logging.root={tmp_path}", "logging.name=r", "mint.keep_last=2"])
+    config = build_config({}, [f"logging.root={tmp_path}", "logging.name=r", "catalog.keep_last=2"])
     out = tmp_path / "r"
     cat = Catalog(out / "catalog")
     metas = []
@@ -227,7 +227,7 @@ def test_trainer_retention_exports_peft_dirs_and_reclaims_old_tensors(tmp_path):
     assert sorted(p.name for p in (out / "adapters").iterdir()) == ["step_000002", "step_000003"]
     exported = json.loads((out / "adapters/step_000003" / META_FILE).read_text())
     assert exported["id"] == metas[3].id and exported["step"] == 3 and exported["parent"] == metas[2].id
-    # issue 10: the trainer's adapter directories are copies, never hard links to the catalog's file
+    # The trainer's adapter directories are copies, never hard links to the catalog's file
     copy = (out / "adapters/step_000003" / ADAPTER_FILE).stat()
     original = (cat.revision_dir(metas[3].id) / ADAPTER_FILE).stat()
     assert copy.st_ino != original.st_ino and copy.st_nlink == original.st_nlink == 1

@@ -10,7 +10,18 @@ from pathlib import Path
 import pytest
 
 from mint.cli import main
-from mint.config import SECTIONS, Config, ConfigError, all_keys, build_config, config_markdown, load_config
+from mint.config import (
+    SECTIONS,
+    Config,
+    ConfigError,
+    LearnerConfig,
+    all_keys,
+    build_config,
+    config_markdown,
+    load_config,
+)
+from mint.config.rules import COMBINATIONS
+from mint.config.schema import RENAMED
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,10 +81,16 @@ def test_bad_overrides_name_the_key(override, expected):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["learner.engine=longstraw", "learner.zero_stage=3"], "learner.engine: longstraw runs the model piecewise"),
+        (
+            ["learner.inner_step=longstraw", "learner.zero_stage=3"],
+            "learner.inner_step: longstraw runs the model piecewise",
+        ),
         (["model.dtype=float16"], "model.dtype: float16 needs a GPU learner"),
         # ZeRO-2 reduces inside every backward; LongStraw's backward count differs across ranks.
-        (["learner.engine=longstraw", "learner.zero_stage=2", "learner.num_ranks=2"], "learner.zero_stage: 2 reduces"),
+        (
+            ["learner.inner_step=longstraw", "learner.zero_stage=2", "learner.num_ranks=2"],
+            "learner.zero_stage: 2 reduces",
+        ),
         # DeepSpeed's stage-0 fp16 optimizer never scales the loss in engine.backward.
         (
             ["model.dtype=float16", "ray.learner_gpus=1", "learner.zero_stage=0"],
@@ -86,7 +103,7 @@ def test_combinations_that_are_not_correct_are_refused(overrides, expected):
         build_config({}, overrides)
     assert str(err.value).startswith(expected) and "\n" not in str(err.value)
     build_config({}, ["model.dtype=float16", "ray.learner_gpus=1", "learner.zero_stage=1"])  # the supported ones
-    build_config({}, ["learner.engine=longstraw", "learner.zero_stage=2", "learner.num_ranks=1"])
+    build_config({}, ["learner.inner_step=longstraw", "learner.zero_stage=2", "learner.num_ranks=1"])
 
 
 def test_bad_recipe_table_and_missing_file(tmp_path):
@@ -265,3 +282,33 @@ def test_bad_base_chains_fail_with_one_line(tmp_path, files, match):
     with pytest.raises(ConfigError, match=match) as err:
         load_config(tmp_path / "a.toml")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("overrides", "ok", "why"), COMBINATIONS, ids=[" ".join(c[0]) for c in COMBINATIONS])
+def test_the_combinations_table_is_what_the_loader_does(overrides, ok, why):
+    if ok:
+        build_config({}, list(overrides))
+    else:
+        with pytest.raises(ConfigError) as err:
+            build_config({}, list(overrides))
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("old", "new"), RENAMED.items())
+def test_an_old_key_names_its_new_one_in_a_recipe_and_an_override(tmp_path, old, new):
+    section, _, name = old.partition(".")
+    recipe = tmp_path / "old.toml"
+    recipe.write_text(f"[{section}]\n{name} = 1\n")
+    expected = f"{old}: this key is now {new} (same meaning); rename it in the recipe"
+    for call in (lambda: load_config(recipe), lambda: build_config({}, [f"{old}=1"])):
+        with pytest.raises(ConfigError) as err:
+            call()
+        assert str(err.value) == expected
+
+
+def test_modes_are_literal_types_and_the_loader_takes_their_values_from_them():
+    assert typing.get_args(typing.get_type_hints(LearnerConfig)["inner_step"]) == ("longstraw", "naive")
+    with pytest.raises(ConfigError, match=r"^longstraw\.mode: 'fast' is not one of exact, detached, resident$"):
+        build_config({}, ["longstraw.mode=fast"])
+    with pytest.raises(ConfigError, match=r"^rollout\.backend: 3 is not one of builtin, vllm, sglang$"):
+        build_config({"rollout": {"backend": 3}})

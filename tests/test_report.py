@@ -60,7 +60,7 @@ def run_dir(tmp_path) -> Path:
         "model": {"path": "tiny:qwen3_moe", "dtype": "float32"},
         "lora": {"rank": 8},
         "rollout": {"group_size": 8, "prompts_per_step": 8, "max_tokens": 4},
-        "learner": {"engine": "naive", "lr": 0.001},
+        "learner": {"inner_step": "naive", "lr": 0.001},
         "longstraw": {"mode": "exact"},
     }
     (run / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -94,9 +94,16 @@ def test_report_through_main(run_dir, capsys):
     assert {p.stem for p in (run_dir / "plots").glob("*.png")} == set(report.PLOTS)  # every key family present
     assert REVISION in text
     assert re.search(r"^Report written by mint at commit: `([0-9a-f]{40}|unknown)`$", text, re.M), text
-    for fact in ("tiny:qwen3_moe", "| lora.rank | `8` |", "| learner.engine | `naive` |", "| steps | `12` |"):
+    for fact in ("tiny:qwen3_moe", "| lora.rank | `8` |", "| learner.inner_step | `naive` |", "| steps | `12` |"):
         assert fact in text, fact
     assert "`0.37 / 0.9 / 0.53`" in text
+    # A run written before learner.engine was renamed learner.inner_step reports it under the new name.
+    config = json.loads((run_dir / "config.json").read_text())
+    config["learner"] = {"engine": "naive", "lr": 0.001}
+    (run_dir / "config.json").write_text(json.dumps(config))
+    assert main(["report", str(run_dir)]) == 0
+    assert "| learner.inner_step | `naive` |" in (run_dir / "report.md").read_text()
+    capsys.readouterr()
     assert "skipped" not in text.split("## Plots")[1], "no plot should be skipped for a full run"
 
 

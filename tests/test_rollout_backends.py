@@ -10,7 +10,7 @@
   (layer 0 dense) both backends keep the MoE layers' rows, and `mint serve` sends them in that form too.
 - The rollout actor's weight sync (bytes -> hash once -> adapter directory on its node -> the engine's load call)
   through both, and one clear line for an engine that is down. With expert LoRA the actor writes the per-expert
-  layout vLLM and SGLang load (rollout.adapter_layout = auto; GLM-4.5 too), `mint serve` fuses it back and samples
+  layout vLLM and SGLang load (engines.adapter_layout = auto; GLM-4.5 too), `mint serve` fuses it back and samples
   exactly what the built-in engine samples, a layout vLLM cannot read stops the actor with one line, and altered
   per-expert tensors are refused with one line.
 - A training run (real Ray, DeepSpeed on gloo, 1 learner rank) with rollout.backend = vllm pointed at `mint serve`
@@ -287,11 +287,11 @@ def test_an_engine_that_is_down_is_one_clear_line(world):
     with pytest.raises(EngineError) as err:
         http_backend("vllm", [world["url"], dead], None, timeout=5)
     message = str(err.value)
-    assert "\n" not in message and dead in message and "is down" in message and "rollout.urls" in message
+    assert "\n" not in message and dead in message and "is down" in message and "engines.urls" in message
     with pytest.raises(ConfigError, match="needs the engine servers' URLs"):
         build_config({"rollout": {"backend": "sglang"}})
     with pytest.raises(ConfigError, match="num_actors"):
-        build_config({"rollout": {"backend": "vllm", "urls": [world["url"]], "num_actors": 2}})
+        build_config({"rollout": {"backend": "vllm", "num_actors": 2}, "engines": {"urls": [world["url"]]}})
 
 
 # ---- an SGLang-format server ----------------------------------------------------------------------------------------
@@ -465,17 +465,15 @@ def test_sglang_backend_without_routes_marks_them_missing(world, sglang):
     assert sglang.calls[-1][1]["return_routed_experts"] is False
 
 
-def _http_actor(world, kind: str, url: str, adapters, tmp_path, **rollout) -> RolloutActor:
+def _http_actor(world, kind: str, url: str, adapters, tmp_path, **engines) -> RolloutActor:
     """A rollout actor with backend `kind` fronting `url`, writing its adapter directories under `adapters`."""
-    rollout = {
-        "backend": kind,
-        "urls": [url],
-        "group_size": 2,
-        "max_tokens": 4,
-        "adapter_dir": str(adapters),
-        **rollout,
+    tree = {
+        "model": {"path": world["base"]},
+        "rollout": {"backend": kind, "group_size": 2, "max_tokens": 4},
+        "engines": {"urls": [url], "adapter_dir": str(adapters), **engines},
+        "logging": {"root": str(tmp_path)},
     }
-    config = build_config({"model": {"path": world["base"]}, "rollout": rollout, "logging": {"root": str(tmp_path)}})
+    config = build_config(tree)
     return RolloutActor(config, world["base"])
 
 
@@ -495,8 +493,7 @@ def test_rollout_actor_syncs_weights_into_its_engine(world, sglang, tmp_path, ki
     assert actor.model is None and isinstance(actor.backend, VllmBackend if kind == "vllm" else SglangBackend)
     assert actor.adapter_layout == "per-expert"
     data_a, data_b = _revision_bytes(world, world["a"], world["b"])
-    out = actor.sync_adapter(data_a)
-    assert out["revision"] == world["a"] and out["sync_s"] > 0
+    assert actor.load_adapter(world["a"], data_a) == world["a"]
     assert sorted(p.name for p in (adapters / "actor_0").iterdir()) == [f"rev_{world['a']}"]
     examples = [Example(prompt="What is the last digit of 3 7 1 4?", answer="4")]
     results = actor.rollout(examples, seed=5, revision=world["a"])
@@ -535,8 +532,8 @@ def test_rollout_actor_writes_the_layout_its_engine_loads(world, tmp_path):
     try:
         assert actor.adapter_layout == "per-expert"
         data_a, data_b = _revision_bytes(world, a, b)
-        assert actor.sync_adapter(data_b)["revision"] == b  # b first, so a is then read from the new directory
-        assert actor.sync_adapter(data_a)["revision"] == a
+        assert actor.load_adapter(b, data_b) == b  # b first, so a is then read from the new directory
+        assert actor.load_adapter(a, data_a) == a
         tensors, config, meta = _written(adapters / "actor_0" / f"rev_{a}")
         expert_keys = [k for k in tensors if ".mlp.experts." in k]
         base_config = load_model(world["base"]).config
@@ -557,9 +554,9 @@ def test_rollout_actor_writes_the_layout_its_engine_loads(world, tmp_path):
 
 
 def test_a_layout_vllm_cannot_read_stops_the_actor_in_one_line(world, tmp_path):
-    """rollout.adapter_layout = peft with expert LoRA on a Qwen-MoE base and rollout.backend = vllm: vLLM's per-expert
+    """engines.adapter_layout = peft with expert LoRA on a Qwen-MoE base and rollout.backend = vllm: vLLM's per-expert
     MoE LoRA wrapper refuses PEFT's fused layout at load, so the actor refuses it at start, in one line."""
-    with pytest.raises(ConfigError, match=r"rollout\.adapter_layout: vllm reads qwen3_moe expert LoRA") as err:
+    with pytest.raises(ConfigError, match=r"engines\.adapter_layout: vllm reads qwen3_moe expert LoRA") as err:
         _http_actor(world, "vllm", world["url"], tmp_path / "adapters", tmp_path, adapter_layout="peft")
     assert "\n" not in str(err.value)
 
@@ -575,7 +572,7 @@ def test_glm_expert_lora_goes_to_the_engines_per_expert(world, tmp_path):
         actor = _http_actor(glm_world, backend, world["url"], tmp_path / "adapters", tmp_path)
         assert actor.adapter_layout == "per-expert" and actor.adapter_config["target_parameters"]
         actor.backend.close()
-    with pytest.raises(ConfigError, match=r"rollout\.adapter_layout: vllm reads glm4_moe expert LoRA") as err:
+    with pytest.raises(ConfigError, match=r"engines\.adapter_layout: vllm reads glm4_moe expert LoRA") as err:
         _http_actor(glm_world, "vllm", world["url"], tmp_path / "adapters", tmp_path, adapter_layout="peft")
     assert "\n" not in str(err.value)
 
@@ -651,8 +648,8 @@ def test_training_through_mint_serve_as_the_vllm_engine_learns(tmp_path):
                 f"grpo.steps={steps}",
                 "learner.num_ranks=1",
                 "rollout.backend=vllm",
-                f'rollout.urls=["{url}"]',
-                f"rollout.adapter_dir={adapters}",
+                f'engines.urls=["{url}"]',
+                f"engines.adapter_dir={adapters}",
                 f"logging.root={tmp_path}",
                 "logging.name=vllm",
                 "logging.progress=false",

@@ -7,7 +7,8 @@ import json
 import types
 import typing
 
-from mint.config.schema import SECTIONS
+from mint.config.rules import COMBINATIONS
+from mint.config.schema import RENAMED, SECTIONS, choices
 
 
 def config_markdown() -> str:
@@ -30,19 +31,43 @@ def config_markdown() -> str:
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             lines.append(
                 f"| `{section}.{f.name}` | {_short_type(hints[f.name])} | `{json.dumps(default)}` "
-                f"| {_allowed(f.metadata)} | {f.metadata['help']} |"
+                f"| {_allowed(hints[f.name], f.metadata)} | {f.metadata['help']} |"
             )
         lines.append("")
+    lines += [
+        "## Valid combinations",
+        "",
+        "Rules across keys live in `mint/config/rules.py`. Each row sets these keys over the defaults; a test builds",
+        "every row, so the table says what the loader does.",
+        "",
+        "| keys | allowed | why |",
+        "|---|---|---|",
+    ]
+    for overrides, ok, why in COMBINATIONS:
+        lines.append(f"| {', '.join(f'`{o}`' for o in overrides)} | {'yes' if ok else 'no'} | {why} |")
+    lines += [
+        "",
+        "## Renamed keys",
+        "",
+        "A recipe or override that names an old key stops with one line naming the new one.",
+        "",
+        "| old | new |",
+        "|---|---|",
+        *(f"| `{old}` | `{new}` |" for old, new in RENAMED.items()),
+        "",
+    ]
     return "\n".join(lines)
 
 
 def _short_type(tp) -> str:
+    if choices(tp):
+        return "str"
     return tp.__name__ if isinstance(tp, type) and not isinstance(tp, types.GenericAlias) else "list[str]"
 
 
-def _allowed(meta: dict) -> str:
-    if meta["choices"]:
-        return ", ".join(f"`{c}`" for c in meta["choices"])
+def _allowed(tp, meta: dict) -> str:
+    if choices(tp):
+        return ", ".join(f"`{c}`" for c in choices(tp))
     parts = []
     if meta["gt"] is not None:
         parts.append(f"> {meta['gt']}")

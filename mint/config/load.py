@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mint.config.rules import recipe_rules
-from mint.config.schema import SECTIONS, Config, all_keys
+from mint.config.schema import RENAMED, SECTIONS, Config, all_keys, choices
 from mint.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -26,6 +26,8 @@ def _closest(name: str, candidates: list[str]) -> str:
 
 
 def _type_name(tp) -> str:
+    if choices(tp):
+        return "one of " + ", ".join(choices(tp))
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, "a list of strings")
 
 
@@ -33,6 +35,11 @@ def _check_value(key: str, tp, meta: dict, value: Any) -> Any:
     """Type- and range-check one value; returns it converted (int -> float where a float is expected)."""
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    allowed = choices(tp)
+    if allowed:
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+        return value
     if typing.get_origin(tp) is list:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
@@ -40,8 +47,6 @@ def _check_value(key: str, tp, meta: dict, value: Any) -> Any:
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if tp is float and not math.isfinite(value):  # NaN compares false with every bound, so the range checks pass it
         raise ConfigError(f"{key}: {value!r} is not a finite number")
-    if meta["choices"] and value not in meta["choices"]:
-        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, meta['choices']))}")
     if meta["min"] is not None and value < meta["min"]:
         raise ConfigError(f"{key}: {value!r} is below the minimum {meta['min']}")
     if meta["max"] is not None and value > meta["max"]:
@@ -57,10 +62,16 @@ def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
     kwargs = {}
     for name, value in values.items():
         key = f"{section}.{name}"
+        _refuse_renamed(key)
         if name not in fields:
             raise ConfigError(f"{key}: unknown key{_closest(key, all_keys())}")
         kwargs[name] = _check_value(key, hints[name], fields[name].metadata, value)
     return cls(**kwargs)
+
+
+def _refuse_renamed(key: str) -> None:
+    if key in RENAMED:
+        raise ConfigError(f"{key}: this key is now {RENAMED[key]} (same meaning); rename it in the recipe")
 
 
 def _parse_override(item: str) -> tuple[str, str]:
@@ -86,6 +97,9 @@ def build_config(tree: dict[str, Any], overrides: list[str] = ()) -> Config:
     """Validate a parsed recipe plus dotted overrides into a Config. Raises ConfigError naming the key."""
     merged: dict[str, dict[str, Any]] = {}
     for section, values in tree.items():
+        if section == "mint" and isinstance(values, dict):  # the [mint] section is now [catalog]
+            for name in values:
+                _refuse_renamed(f"mint.{name}")
         if section not in SECTIONS:
             raise ConfigError(f"{section}: unknown section{_closest(section, list(SECTIONS))}")
         if not isinstance(values, dict):
@@ -93,6 +107,7 @@ def build_config(tree: dict[str, Any], overrides: list[str] = ()) -> Config:
         merged[section] = dict(values)
     for item in overrides:
         key, raw = _parse_override(item)
+        _refuse_renamed(key)
         section, _, name = key.partition(".")
         if section not in SECTIONS or not name:
             raise ConfigError(f"{key}: unknown key{_closest(key, all_keys())}")

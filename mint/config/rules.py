@@ -2,10 +2,10 @@
 
 Three kinds, by when they run:
 
-- section rules (`rollout_rules`, `learner_rules`) run whenever the section is built (its `__post_init__`), so no
+- section rules (`engines_rules`, `learner_rules`) run whenever the section is built (its `__post_init__`), so no
   code path holds an inconsistent section;
-- `section_rules` runs whenever a whole Config is built: rules across sections (context parallel against the
-  learner's ranks and inner step);
+- `section_rules` runs whenever a whole Config is built: rules across sections (the rollout backend against the
+  engines, context parallel against the learner's ranks and inner step);
 - `recipe_rules` runs when a recipe is loaded (`build_config`): rules about what a run may be asked for (the run
   directory's name, ZeRO stages with LongStraw, float16), which tests may step around by building a Config by hand
   (the fp16 loss-scale test runs DeepSpeed's fp16 optimizer on a CPU learner, which no recipe may ask for).
@@ -21,44 +21,49 @@ from typing import TYPE_CHECKING
 from mint.errors import ConfigError
 
 if TYPE_CHECKING:
-    from mint.config.schema import Config, LearnerConfig, RolloutConfig
+    from mint.config.schema import Config, EnginesConfig, LearnerConfig
 
 
-def rollout_rules(r: RolloutConfig) -> None:
-    """Engines: started by the run or listed, not both; an HTTP backend needs one or the other; each rollout actor
-    fronts at least one engine; the launch template's placeholders are known; the URLs are http(s)."""
+def engines_rules(e: EnginesConfig) -> None:
+    """Engines are started by the run or listed, not both; the launch template's placeholders are known; the URLs
+    are http(s)."""
     from mint.config.schema import ENGINE_PLACEHOLDERS
 
-    if r.engines and r.backend == "builtin":
-        raise ConfigError("rollout.engines: engine servers need rollout.backend = vllm or sglang")
-    if r.engines and r.urls:
+    if e.start and e.urls:
         raise ConfigError(
-            "rollout.engines: set rollout.engines (servers the run starts) or rollout.urls (servers that "
-            "already run), not both"
-        )
-    if r.backend != "builtin" and not r.urls and not r.engines:
-        raise ConfigError(
-            f"rollout.urls: rollout.backend = {r.backend} needs the engine servers' URLs "
-            '(rollout.urls = ["http://host:port"]), or rollout.engines = N to start them; or use '
-            "rollout.backend = builtin"
-        )
-    n_engines = r.engines or len(r.urls)
-    if r.backend != "builtin" and r.num_actors > n_engines:
-        raise ConfigError(
-            f"rollout.num_actors: {r.num_actors} actors for {n_engines} engine(s); each actor fronts at "
-            "least one engine, so use rollout.num_actors <= len(rollout.urls) or rollout.engines"
+            "engines.start: set engines.start (servers the run starts) or engines.urls (servers that already run), "
+            "not both"
         )
     fill = dict.fromkeys(ENGINE_PLACEHOLDERS, "")
     try:
-        r.engine_command.format(**fill)
+        e.command.format(**fill)
     except (KeyError, IndexError, ValueError) as err:
         names = "{" + "}, {".join(fill) + "}"
-        raise ConfigError(
-            f"rollout.engine_command: bad placeholder ({err}); use {names}; a literal brace is {{{{"
-        ) from None
-    for url in r.urls:
+        raise ConfigError(f"engines.command: bad placeholder ({err}); use {names}; a literal brace is {{{{") from None
+    for url in e.urls:
         if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"rollout.urls: {url!r} is not an http:// or https:// URL")
+            raise ConfigError(f"engines.urls: {url!r} is not an http:// or https:// URL")
+
+
+def _backend_rules(config: Config) -> None:
+    """An HTTP backend needs engines (listed or started), the builtin one none, and each rollout actor fronts at
+    least one engine."""
+    r, e = config.rollout, config.engines
+    if r.backend == "builtin" and (e.start or e.urls):
+        key = "engines.start" if e.start else "engines.urls"
+        raise ConfigError(f"{key}: engine servers need rollout.backend = vllm or sglang (got builtin)")
+    if r.backend != "builtin" and not e.urls and not e.start:
+        raise ConfigError(
+            f"engines.urls: rollout.backend = {r.backend} needs the engine servers' URLs "
+            '(engines.urls = ["http://host:port"]), or engines.start = N to start them; or use '
+            "rollout.backend = builtin"
+        )
+    n_engines = e.start or len(e.urls)
+    if r.backend != "builtin" and r.num_actors > n_engines:
+        raise ConfigError(
+            f"rollout.num_actors: {r.num_actors} actors for {n_engines} engine(s); each actor fronts at "
+            "least one engine, so use rollout.num_actors <= len(engines.urls) or engines.start"
+        )
 
 
 def learner_rules(learner: LearnerConfig) -> None:
@@ -79,8 +84,9 @@ def learner_rules(learner: LearnerConfig) -> None:
 
 
 def section_rules(config: Config) -> None:
-    """Context parallel: its size times expert parallel's divides the ranks, and it runs under LongStraw's exact or
-    detached mode."""
+    """The rollout backend against its engines; context parallel: its size times expert parallel's divides the
+    ranks, and it runs under LongStraw's exact or detached mode."""
+    _backend_rules(config)
     cp, ranks, ep = config.longstraw.context_parallel, config.learner.num_ranks, config.learner.expert_parallel
     if cp == 1:
         return
@@ -90,12 +96,13 @@ def section_rules(config: Config) -> None:
             f"longstraw.context_parallel: {cp}{with_ep} does not divide learner.num_ranks = {ranks}; "
             "use a divisor of it (1 turns context parallel off)"
         )
-    if config.learner.engine != "longstraw" or config.longstraw.mode == "resident":
-        what = f"learner.engine = {config.learner.engine}"
-        if config.learner.engine == "longstraw":
+    if config.learner.inner_step != "longstraw" or config.longstraw.mode == "resident":
+        what = f"learner.inner_step = {config.learner.inner_step}"
+        if config.learner.inner_step == "longstraw":
             what = "longstraw.mode = resident"
         raise ConfigError(
-            f"longstraw.context_parallel: {cp} needs learner.engine = longstraw in exact or detached mode (got {what})"
+            f"longstraw.context_parallel: {cp} needs learner.inner_step = longstraw in exact or detached mode "
+            f"(got {what})"
         )
 
 
@@ -106,12 +113,12 @@ def recipe_rules(config: Config) -> None:
         raise ConfigError(f"logging.name: {name!r} is not a plain folder name (letters, digits, '.', '_', '-')")
     if not config.logging.root.strip():
         raise ConfigError("logging.root: is empty; give the folder that holds run directories (default: runs)")
-    if config.learner.engine == "longstraw" and config.learner.zero_stage == 3:
+    if config.learner.inner_step == "longstraw" and config.learner.zero_stage == 3:
         raise ConfigError(
-            "learner.engine: longstraw runs the model piecewise and needs whole weights on each rank; "
-            "use learner.zero_stage = 1 or learner.engine = naive"
+            "learner.inner_step: longstraw runs the model piecewise and needs whole weights on each rank; "
+            "use learner.zero_stage = 1 or learner.inner_step = naive"
         )
-    if config.learner.engine == "longstraw" and config.learner.zero_stage == 2 and config.learner.num_ranks > 1:
+    if config.learner.inner_step == "longstraw" and config.learner.zero_stage == 2 and config.learner.num_ranks > 1:
         # ZeRO-2 reduces gradients inside every backward call; LongStraw makes one call per response and per prompt
         # chunk, so ranks whose prompts differ in length issue different collectives (gloo aborts, NCCL hangs).
         # Stage 1 reduces once, at the accumulation boundary.
@@ -126,3 +133,32 @@ def recipe_rules(config: Config) -> None:
         # so fp16 gradients would run unscaled and underflow; stages 1-2 scale, and LongStraw's exact mode
         # accounts for that scale (mint.train.inner_step.StepContext.backward).
         raise ConfigError("model.dtype: float16 needs learner.zero_stage >= 1 (loss scaling); or use bfloat16")
+
+
+# The combinations the rules above decide, as docs/configuration.md tabulates them. Each row is a set of overrides
+# (on top of the defaults) and whether a recipe may ask for it; a test builds every row through `build_config`, so the
+# table cannot drift from the rules.
+COMBINATIONS: tuple[tuple[tuple[str, ...], bool, str], ...] = (
+    (("rollout.backend=builtin",), True, "the in-process engine; no servers"),
+    (("rollout.backend=builtin", "engines.start=1"), False, "engine servers need an HTTP backend"),
+    (("rollout.backend=vllm",), False, "an HTTP backend needs engines.urls or engines.start"),
+    (("rollout.backend=vllm", 'engines.urls=["http://h:8000"]'), True, "servers that already run"),
+    (("rollout.backend=sglang", "engines.start=2", "rollout.num_actors=2"), True, "servers the run starts"),
+    (("rollout.backend=vllm", "engines.start=1", 'engines.urls=["http://h:8000"]'), False, "urls or start, not both"),
+    (("rollout.backend=vllm", "engines.start=1", "rollout.num_actors=2"), False, "each rollout actor fronts an engine"),
+    (("learner.inner_step=longstraw", "learner.zero_stage=1"), True, "the default"),
+    (("learner.inner_step=longstraw", "learner.zero_stage=2", "learner.num_ranks=1"), True, "one rank: no collectives"),
+    (("learner.inner_step=longstraw", "learner.zero_stage=2", "learner.num_ranks=2"), False, "ranks would disagree"),
+    (("learner.inner_step=longstraw", "learner.zero_stage=3"), False, "LongStraw needs whole weights"),
+    (("learner.inner_step=naive", "learner.zero_stage=3"), True, "ZeRO-3 shards the base"),
+    (("learner.expert_parallel=2", "learner.num_ranks=2", "learner.zero_stage=1"), True, "EP on ZeRO-1"),
+    (("learner.expert_parallel=2", "learner.num_ranks=2", "learner.zero_stage=2"), False, "EP needs ZeRO-1"),
+    (("learner.expert_parallel=2", "learner.num_ranks=3"), False, "EP divides the ranks"),
+    (("longstraw.context_parallel=2", "learner.num_ranks=2"), True, "CP under LongStraw exact"),
+    (("longstraw.context_parallel=2", "learner.num_ranks=2", "longstraw.mode=resident"), False, "not resident"),
+    (("longstraw.context_parallel=2", "learner.num_ranks=2", "learner.inner_step=naive"), False, "LongStraw only"),
+    (("model.dtype=float16",), False, "float16 needs a GPU learner"),
+    (("model.dtype=float16", "ray.learner_gpus=1", "learner.zero_stage=0"), False, "no loss scaling at stage 0"),
+    (("model.dtype=float16", "ray.learner_gpus=1", "learner.zero_stage=1"), True, "loss-scaled fp16 on GPUs"),
+    (("model.dtype=bfloat16",), True, "CPU or GPU"),
+)

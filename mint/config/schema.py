@@ -10,12 +10,13 @@ import hashlib
 import json
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
-def knob(default: Any, help: str, *, min: float | None = None, max: float | None = None, choices=None, gt=None):
-    """A config field: default, help string, and the range or choices validated at load."""
-    meta = {"help": help, "min": min, "max": max, "gt": gt, "choices": tuple(choices) if choices else None}
+def knob(default: Any, help: str, *, min: float | None = None, max: float | None = None, gt=None):
+    """A config field: default, help string, and the range validated at load. A mode's choices are its annotation,
+    `Literal[...]` (`choices`)."""
+    meta = {"help": help, "min": min, "max": max, "gt": gt}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -28,9 +29,7 @@ class ModelConfig:
         "Base model: a hub id, a local directory, or tiny:qwen3_moe / tiny:qwen2_moe / tiny:glm4_moe / tiny:qwen3 "
         "(dense) for the embedded tiny bases (never downloaded).",
     )
-    dtype: str = knob(
-        "float32", "Dtype of the frozen base and the LoRA weights.", choices=("float32", "bfloat16", "float16")
-    )
+    dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", "Dtype of the frozen base and the LoRA weights.")
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ class DataConfig:
     )
 
 
-# What rollout.engine_command may name (mint.train.engines.launch_argv fills them).
+# What engines.command may name (mint.train.engine_servers.launch_argv fills them).
 ENGINE_PLACEHOLDERS = (
     "python", "model", "host", "port", "tp", "dtype", "max_lora_rank", "lora_modules", "routed_experts", "adapter_dir",
     "index",
@@ -112,64 +111,68 @@ class RolloutConfig:
         "(docs/reliability.md).",
         min=0,
     )
-    backend: str = knob(
+    backend: Literal["builtin", "vllm", "sglang"] = knob(
         "builtin",
         "Where responses are sampled: builtin (the exact in-process engine; CPU and CI), vllm (servers speaking "
         "vLLM's OpenAI API: vLLM, or `mint serve`), sglang (SGLang's /generate). See docs/rollout.md.",
-        choices=("builtin", "vllm", "sglang"),
     )
+
+
+@dataclass(frozen=True)
+class EnginesConfig:
+    """The HTTP engine servers behind rollout.backend = vllm or sglang: listed (urls) or started by the run (start)."""
+
     urls: list[str] = knob(
         [],
-        "vllm/sglang: base URLs of engine servers that already run (http://host:port). Rollout actor j fronts "
-        "urls[j::num_actors]; one group's G samples go to one engine (its prefix cache).",
+        "Base URLs of engine servers that already run (http://host:port). Rollout actor j fronts "
+        "urls[j::rollout.num_actors]; one group's G samples go to one engine (its prefix cache).",
     )
-    engine_timeout: float = knob(600.0, "vllm/sglang: seconds one engine request may take.", gt=0.0)
-    adapter_dir: str = knob(
-        "",
-        "vllm/sglang: where each rollout actor writes the adapter directory its engines load (a path on the "
-        "actor's node that the engine can read); empty: <run dir>/engine_adapters.",
-    )
-    adapter_layout: str = knob(
-        "auto",
-        "vllm/sglang: the layout of the adapter directory a rollout actor writes. per-expert: fused expert LoRA "
-        "split per expert (gate/up/down_proj); peft: as trained (`mint serve` loads both); auto: the layout the "
-        "backend's engine reads for the base's family (per-expert for Qwen2/Qwen3-MoE and GLM-4.5 expert LoRA on "
-        "vLLM and SGLang), peft without expert LoRA. A layout the engine cannot read is an error (docs/rollout.md).",
-        choices=("auto", "peft", "per-expert"),
-    )
-    engines: int = knob(
+    start: int = knob(
         0,
-        "vllm/sglang: engine servers the run starts as Ray actors (their URLs replace rollout.urls; see "
-        "docs/rollout.md); 0: use rollout.urls, servers that already run.",
+        "Engine servers the run starts as Ray actors (their URLs replace engines.urls; see docs/rollout.md); "
+        "0: use engines.urls, servers that already run.",
         min=0,
     )
-    engine_command: str = knob(
+    command: str = knob(
         "",
-        "rollout.engines: each server's launch line; {python} {model} {host} {port} {tp} {dtype} {max_lora_rank} "
+        "engines.start: each server's launch line; {python} {model} {host} {port} {tp} {dtype} {max_lora_rank} "
         "(vllm: lora.rank rounded up to a rank vLLM accepts) {lora_modules} (LoRA's modules, per-expert names "
         "included; several words) {routed_experts} (--enable-return-routed-experts on an MoE base, else nothing) "
         "{adapter_dir} {index} are filled in. Empty: the backend's vLLM / SGLang line (docs/rollout.md).",
     )
-    engine_path: str = knob(
+    path: str = knob(
         "",
-        "rollout.engines: a directory put first on each engine server's PATH, e.g. the bin of a virtualenv that "
+        "engines.start: a directory put first on each engine server's PATH, e.g. the bin of a virtualenv that "
         "holds vLLM (`vllm serve` is found there; {python} stays Mint's own); a relative path is taken from where "
         "`mint train` runs. Empty: the PATH as it is.",
     )
-    engine_tp: int = knob(1, "rollout.engines: tensor-parallel size of each (its GPUs, on a run with GPUs).", min=1)
-    engine_start_timeout: float = knob(900.0, "rollout.engines: seconds an engine may take to answer /health.", gt=0.0)
-    engine_restarts: int = knob(
+    tp: int = knob(1, "engines.start: tensor-parallel size of each (its GPUs, on a run with GPUs).", min=1)
+    start_timeout: float = knob(900.0, "engines.start: seconds an engine may take to answer /health.", gt=0.0)
+    restarts: int = knob(
         2,
-        "rollout.engines: times the run restarts each engine server it started when it dies (same host and port; "
+        "engines.start: times the run restarts each engine server it started when it dies (same host and port; "
         "the rollout actors load their revision on it again and the failed rollout or sync is redone). Past that, "
-        "or with servers from rollout.urls, a dead engine ends the run with one line.",
+        "or with servers from engines.urls, a dead engine ends the run with one line.",
         min=0,
+    )
+    request_timeout: float = knob(600.0, "Seconds one engine request may take.", gt=0.0)
+    adapter_dir: str = knob(
+        "",
+        "Where each rollout actor writes the adapter directory its engines load (a path on the actor's node that "
+        "the engine can read); empty: <run dir>/engine_adapters.",
+    )
+    adapter_layout: Literal["auto", "peft", "per-expert"] = knob(
+        "auto",
+        "The layout of the adapter directory a rollout actor writes. per-expert: fused expert LoRA split per "
+        "expert (gate/up/down_proj); peft: as trained (`mint serve` loads both); auto: the layout the backend's "
+        "engine reads for the base's family (per-expert for Qwen2/Qwen3-MoE and GLM-4.5 expert LoRA on vLLM and "
+        "SGLang), peft without expert LoRA. A layout the engine cannot read is an error (docs/rollout.md).",
     )
 
     def __post_init__(self):
-        from mint.config.rules import rollout_rules
+        from mint.config.rules import engines_rules
 
-        rollout_rules(self)
+        engines_rules(self)
 
 
 @dataclass(frozen=True)
@@ -179,11 +182,10 @@ class GrpoConfig:
     scale_std: bool = knob(True, "Divide advantages by the group's reward std (GRPO); false gives Dr.GRPO.")
     eps_low: float = knob(0.2, "PPO clip below: the ratio is clipped at 1 - eps_low.", min=0.0, max=1.0)
     eps_high: float = knob(0.28, "PPO clip above (clip-higher): the ratio is clipped at 1 + eps_high.", min=0.0)
-    loss_agg: str = knob(
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "constant"] = knob(
         "token-mean",
         "Loss aggregation: token-mean (DAPO), seq-mean-token-mean, or constant "
         "(Dr.GRPO: token sum over groups x rollout.max_tokens).",
-        choices=("token-mean", "seq-mean-token-mean", "constant"),
     )
     kl_coef: float = knob(
         0.0,
@@ -208,16 +210,15 @@ class LearnerConfig:
     num_ranks: int = knob(2, "Learner actors forming one torch.distributed group (gloo on CPU, nccl on GPU).", min=1)
     zero_stage: int = knob(
         1,
-        "DeepSpeed ZeRO stage: 1 shards the optimizer state; 2 also the gradients (naive engine only across ranks: it "
-        "reduces inside every backward); 3 also the frozen base (naive engine only).",
+        "DeepSpeed ZeRO stage: 1 shards the optimizer state; 2 also the gradients (naive inner step only across "
+        "ranks: it reduces inside every backward); 3 also the frozen base (naive inner step only).",
         min=0,
         max=3,
     )
     lr: float = knob(5e-3, "AdamW learning rate for the LoRA parameters.", gt=0.0, max=1.0)
-    lr_schedule: str = knob(
+    lr_schedule: Literal["constant", "cosine"] = knob(
         "constant",
         "After warmup: constant, or cosine down to lr x min_lr_ratio at grpo.steps.",
-        choices=("constant", "cosine"),
     )
     warmup_steps: int = knob(0, "Steps of linear warmup from 0 to learner.lr.", min=0)
     min_lr_ratio: float = knob(0.1, "cosine: the final learning rate as a fraction of learner.lr.", min=0.0, max=1.0)
@@ -226,12 +227,11 @@ class LearnerConfig:
     epochs: int = knob(
         1, "Passes over each step's rollouts (PPO epochs); above 1 the clip starts to matter.", min=1, max=16
     )
-    engine: str = knob(
+    inner_step: Literal["longstraw", "naive"] = knob(
         "longstraw",
-        "Inner step: longstraw (prompt captured once, responses replayed one at a time, "
-        "memory bounded by the longest response) or naive (one padded full-sequence forward per "
-        "group).",
-        choices=("longstraw", "naive"),
+        "The learner's inner step: longstraw (prompt captured once, responses replayed in micro-batches sized by "
+        "longstraw.replay_budget_mb, memory bounded by the largest micro-batch) or naive (one padded "
+        "full-sequence forward per group).",
     )
     expert_parallel: int = knob(
         1,
@@ -249,12 +249,11 @@ class LearnerConfig:
 
 @dataclass(frozen=True)
 class LongStrawConfig:
-    mode: str = knob(
+    mode: Literal["exact", "detached", "resident"] = knob(
         "exact",
         "exact: the gradient equals full-sequence backprop; detached: the prompt's K/V are "
         "constants (response-only objective, no prompt backward); resident: detached with the prompt "
         "capture kept across steps for a recurring prompt (stale by design). See docs/longstraw.md.",
-        choices=("exact", "detached", "resident"),
     )
     chunk_size: int = knob(
         1024, "Prompt positions per capture chunk (and per prompt-backward chunk in exact mode).", min=1
@@ -268,18 +267,25 @@ class LongStrawConfig:
         "the graph keeps each layer's input, backward recomputes the layer; gradients are unchanged.",
         min=0,
     )
-    kernels: str = knob(
+    replay_budget_mb: float = knob(
+        0.0,
+        "MiB that one replay micro-batch may save for backward, by the adapter's estimate: a group's responses are "
+        "replayed together (padded to the longest, one forward and one backward) while their micro-batch fits. "
+        "0, or less than one response needs, replays one response at a time. It bounds LongStraw's live memory in "
+        "place of the longest response's graph (docs/longstraw.md). Context and expert parallel replay one at a time.",
+        min=0.0,
+    )
+    kernels: Literal["auto", "on", "off"] = knob(
         "auto",
         "Which implementation of LongStraw's kernels (prefix attention, fused frozen-head logprob) runs: auto "
         "is Triton on CUDA and their torch reference on CPU; on forces Triton, off the reference.",
-        choices=("auto", "on", "off"),
     )
     context_parallel: int = knob(
         1,
         "CP: learner ranks that split one prompt's captured K/V pages among them (each keeps ~1/CP of the prefix; "
         "attention over it merges per-rank partials). The CP ranks of a group run the same prompt groups, which "
         "leaves learner.num_ranks / CP data-parallel replicas. CP x learner.expert_parallel divides "
-        "learner.num_ranks; learner.engine = longstraw in exact or detached mode only. See docs/sharding.md.",
+        "learner.num_ranks; learner.inner_step = longstraw in exact or detached mode only. See docs/sharding.md.",
         min=1,
     )
 
@@ -292,12 +298,11 @@ class RayConfig:
     rollout_cpus: float = knob(1.0, "CPUs reserved per rollout actor.", gt=0.0)
     rollout_gpus: float = knob(0.0, "GPUs per rollout actor.", min=0.0)
     torch_threads: int = knob(1, "torch threads per actor; keep actors x threads <= cores.", min=1)
-    placement: str = knob(
+    placement: Literal["nodes", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = knob(
         "nodes",
         "nodes: Mint's per-node layout (learner ranks fill nodes in order, parallel groups stay in a node, rollout "
         "actors on their own nodes or GPUs; docs/multinode.md); PACK, SPREAD, STRICT_PACK, STRICT_SPREAD: one "
         "bundle per actor, placed by Ray with that strategy.",
-        choices=("nodes", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
     )
     colocate: bool = knob(
         False,
@@ -336,13 +341,13 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
-class MintConfig:
-    catalog: str = knob(
+class CatalogConfig:
+    path: str = knob(
         "",
         "Revision catalog the run publishes every step's revision to (several runs may share one); "
         "empty means <run dir>/catalog.",
     )
-    save_every: int = knob(
+    export_every: int = knob(
         10,
         "Also export the revision as a PEFT adapter directory in <run dir>/adapters every N steps "
         "(the last step always); retention (keep_last) runs at each export.",
@@ -355,11 +360,10 @@ class MintConfig:
         "(at 30B-A3B rank 32, 2.6 GB per step: docs/mint.md, Disk).",
         min=0,
     )
-    rollout_records: str = knob(
+    rollout_records: Literal["full", "no_routes", "off"] = knob(
         "no_routes",
         "Rollout records kept per step in the catalog (tokens, logprobs, rewards, linked to the sampling revision): "
         "no_routes, full (also the R3 routes: L x k bytes per token, 32x the rest at 30B-A3B), or off.",
-        choices=("full", "no_routes", "off"),
     )
 
 
@@ -389,12 +393,13 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engines: EnginesConfig = field(default_factory=EnginesConfig)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     longstraw: LongStrawConfig = field(default_factory=LongStrawConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    mint: MintConfig = field(default_factory=MintConfig)
+    catalog: CatalogConfig = field(default_factory=CatalogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -434,20 +439,45 @@ RESULT_NEUTRAL = (
     "logging.*",
     "checkpoint.*",
     "eval.*",
-    "mint.save_every",
-    "mint.keep_last",
+    "catalog.export_every",
+    "catalog.keep_last",
     "ray.address",
     "ray.placement",
     "ray.colocate",
-    "rollout.urls",  # where the engines run, not what they compute
-    "rollout.engine_timeout",
-    "rollout.adapter_dir",
-    "rollout.engines",  # the engines' count, launch line and start timeout: where they run, as rollout.urls
-    "rollout.engine_command",
-    "rollout.engine_path",
-    "rollout.engine_start_timeout",
-    "rollout.engine_restarts",
+    "engines.urls",  # where the engines run, not what they compute
+    "engines.request_timeout",
+    "engines.adapter_dir",
+    "engines.start",  # the engines' count, launch line and start timeout: where they run, as engines.urls
+    "engines.command",
+    "engines.path",
+    "engines.start_timeout",
+    "engines.restarts",
 )
+
+
+# Keys that moved, old -> new: a recipe or override that still names one is refused in one line naming the new key.
+RENAMED = {
+    "learner.engine": "learner.inner_step",
+    "rollout.urls": "engines.urls",
+    "rollout.engines": "engines.start",
+    "rollout.engine_command": "engines.command",
+    "rollout.engine_path": "engines.path",
+    "rollout.engine_tp": "engines.tp",
+    "rollout.engine_start_timeout": "engines.start_timeout",
+    "rollout.engine_restarts": "engines.restarts",
+    "rollout.engine_timeout": "engines.request_timeout",
+    "rollout.adapter_dir": "engines.adapter_dir",
+    "rollout.adapter_layout": "engines.adapter_layout",
+    "mint.catalog": "catalog.path",
+    "mint.save_every": "catalog.export_every",
+    "mint.keep_last": "catalog.keep_last",
+    "mint.rollout_records": "catalog.rollout_records",
+}
+
+
+def choices(tp) -> tuple[str, ...] | None:
+    """The values a `Literal[...]` annotation allows; None for any other type."""
+    return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
 
 
 SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}

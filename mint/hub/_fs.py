@@ -5,7 +5,7 @@ and writer maps, and it relies on POSIX locks: both only work when every process
 implements them faithfully. NFS, Lustre, SMB, GPFS, BeeGFS and FUSE network mounts do not promise either, so a
 catalog there can be corrupted silently (SQLite's own documentation: "WAL does not work over a network
 filesystem"). Runs may put `logging.root` on shared storage; the catalog must then live on a local disk of the
-driver's node (`mint.catalog`).
+driver's node (`catalog.path`).
 
 The filesystem of a path is the type of the mount with the longest mount point that is a prefix of the path's
 resolved form, read from the mounts table (/proc/mounts on Linux; `$MINT_MOUNTS` names another table, for tests and
@@ -100,6 +100,6 @@ def require_local_fs(path: str | Path, what: str = "the catalog", mounts_file: s
         point, fstype = found
         raise ConfigError(
             f"{what} {path} is on {fstype} (mounted at {point}), where SQLite's WAL mode is unsafe; put it on a "
-            "local disk of this node: set mint.catalog to a local path, e.g. /var/tmp/mint/catalog (logging.root "
+            "local disk of this node: set catalog.path to a local path, e.g. /var/tmp/mint/catalog (logging.root "
             "may stay on shared storage)"
         )

@@ -491,7 +491,7 @@ class Catalog:
 
 
 def catalog_dir(config) -> Path:
-    """Where a run publishes: the recipe's `mint.catalog`, or <run dir>/catalog when that is empty."""
+    """Where a run publishes: the recipe's `catalog.path`, or <run dir>/catalog when that is empty."""
     from mint.config import run_dir
 
-    return Path(config.mint.catalog) if config.mint.catalog else run_dir(config) / "catalog"
+    return Path(config.catalog.path) if config.catalog.path else run_dir(config) / "catalog"

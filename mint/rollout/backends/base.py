@@ -12,7 +12,7 @@ rest of the trainer does not know which engine ran:
 An engine that returns no routes (or routes that do not line up with the tokens) gives None: the learner's trust mask
 then counts those tokens as `route_missing` and R3 leaves them out, as for any missing record.
 
-Engines (`rollout.urls`) are servers that already run. One group's G samples go to one engine in one request, so
+Engines (`engines.urls`) are servers that already run. One group's G samples go to one engine in one request, so
 they share its prefix cache; groups are spread round-robin over the engines and sent concurrently, so each engine
 batches them (continuous batching) as it would any burst of requests.
 """
@@ -73,7 +73,7 @@ class HttpBackend(RolloutBackend):
 
     def __init__(self, urls: Sequence[str], layout: ExpertLayout | None, timeout: float):
         if not urls:
-            raise EngineError(f"rollout.backend = {self.name}: no engine; list the servers in rollout.urls")
+            raise EngineError(f"rollout.backend = {self.name}: no engine; list the servers in engines.urls")
         self.urls = [u.rstrip("/") for u in urls]
         self.layout = layout
         self.client = httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)))
@@ -85,9 +85,9 @@ class HttpBackend(RolloutBackend):
         try:
             response = self.client.request(method, url + path, json=body)
         except httpx.TimeoutException:
-            raise EngineError(f"rollout engine {url}: {method} {path} timed out (rollout.engine_timeout)") from None
+            raise EngineError(f"rollout engine {url}: {method} {path} timed out (engines.request_timeout)") from None
         except httpx.HTTPError as err:
-            down = f"rollout engine {url} is down ({_one_line(err)}); start it or fix rollout.urls"
+            down = f"rollout engine {url} is down ({_one_line(err)}); start it or fix engines.urls"
             raise EngineError(down) from None
         if response.status_code != 200:
             raise EngineError(
