@@ -1,4 +1,4 @@
-"""GPU benchmark of the LongStraw kernels (issue #4), all in bf16. One short call on an H200 (< 5 minutes).
+"""GPU benchmark of the LongStraw kernels, all in bf16. One short call on an H200 (< 5 minutes).
 
 prefix attention, forward + backward, D=128, H_q=32, H_kv=4, P in {8k, 64k, 512k}, R in {512, 4096}:
     ours        prefix_attention in detached mode (no prefix dK/dV), the LongStraw replay default
@@ -9,7 +9,7 @@ prefix attention, forward + backward, D=128, H_q=32, H_kv=4, P in {8k, 64k, 512k
 fused head, forward + backward, H=4096, V=151,936, T in {4k, 32k}, frozen head (dHidden only):
     ours        fused_logprob (log-prob and entropy)
     torch       logits = hidden @ W.T; log_softmax in fp32; gather (+ entropy from the same log-probs)
-expert LoRA (issue 11), forward + backward of one MoE projection on N = 4096 tokens x top-8 = 32768 routed rows,
+expert LoRA, forward + backward of one MoE projection on N = 4096 tokens x top-8 = 32768 routed rows,
 Qwen3-30B-A3B-like: E=128, r=32, gate_up (H=2048 -> O=1536) and down (I=768 -> O=2048), grads to x, lora_A, lora_B:
     ours        base grouped matmul (frozen W) + expert_lora (factored LoRA, Triton)
     reference   base grouped matmul + expert_lora_reference (the CPU path's per-segment torch loop)
@@ -18,7 +18,7 @@ Qwen3-30B-A3B-like: E=128, r=32, gate_up (H=2048 -> O=1536) and down (I=768 -> O
     The grouped matmul is a per-expert loop of torch matmuls, the same in the three full variants.
 
 Each case reports the median time of a few runs (CUDA events) and the peak memory above what its inputs hold.
-Targets from the issue: prefix attention >= 1.5x faster than SDPA when P/R >= 16; fused head >= 10x less peak memory
+Targets: prefix attention >= 1.5x faster than SDPA when P/R >= 16; fused head >= 10x less peak memory
 than materialized logits at T=32k, and no slower.
 
     python bench/kernels_gpu.py            # all cases

@@ -21,7 +21,7 @@ actor's work). It lengthens rollout without using a core, as a sandbox or judge 
 unchanged. The smoke task's responses end at EOS after about 2 tokens, so rollout.max_tokens cannot lengthen them.
 
 The last stdout line is one JSON object: seconds per step of each, `sync_over_async_step_seconds` (k=0 / k=1; the
-issue's target is >= 1.3), the phase means (rollout_s is the wait for samples the learner could not hide), and each
+target is >= 1.3), the phase means (rollout_s is the wait for samples the learner could not hide), and each
 run's learning curve (reward per step, and the means of the first and last 10 steps).
 """
 
@@ -80,7 +80,7 @@ def run_once(args: argparse.Namespace, k: int, root: Path, name: str) -> list[di
             "ray.rollout_cpus=1",
             "ray.torch_threads=1",
             "checkpoint.every=0",
-            f"mint.save_every={args.steps}",
+            f"catalog.export_every={args.steps}",
             "logging.progress=false",
             f"logging.root={root}",
             f"logging.name={name}",

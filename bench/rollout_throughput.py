@@ -6,7 +6,7 @@ at temperature 1 with top-p 1 (HF's default top_k=50 is switched off so both dra
 
     builtin            RolloutEngine.generate(prompts, G, ...): each distinct prompt prefilled once, one KV slab,
                        one [B, 1] forward per step; it also records per-token logprobs and routes (R3)
-    builtin_per_group  the same engine called once per prompt (one group of G rows per decode, as before issue 13)
+    builtin_per_group  the same engine called once per prompt (one group of G rows per decode, as the engine once did)
     hf_generate        model.generate on the prompts x G rows, left-padded, one batch (HF's DynamicCache, G copies
                        of every prompt through prefill); it records neither logprobs nor routes
 

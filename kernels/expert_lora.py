@@ -1,4 +1,4 @@
-"""Expert LoRA: the LoRA term of a sparse-MoE expert layer, factored per routed token (issue 11).
+"""Expert LoRA: the LoRA term of a sparse-MoE expert layer, factored per routed token.
 
 PEFT's `target_parameters` LoRA on fused [E, O, H] expert weights materializes W + s B@A for the whole expert stack on
 every forward (1.21 GB per MoE layer at Qwen3-30B-A3B in bf16). The factored form needs only the routed rows:

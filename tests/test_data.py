@@ -130,7 +130,7 @@ def test_corrupt_parquet(tmp_path):
         load_dataset(str(tmp_path / "c.parquet"))
 
 
-# --- Hugging Face datasets on local files, chat prompts, extra fields (issue 14) -------------------------------------
+# --- Hugging Face datasets on local files, chat prompts, extra fields ------------------------------------------------
 
 ROWS = [
     {"prompt": "2+2?", "answer": 4, "level": 1, "tags": ["easy"]},

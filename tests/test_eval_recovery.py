@@ -3,7 +3,8 @@ gloo, the smoke recipe on the embedded tiny Qwen3-MoE).
 
 Eval used to gather its shards with a bare ray.get: Ray restarted the dead actor and retried the eval call on it, the
 restarted actor (holding no revision) refused with StaleRevision, and that ended the run. Eval now goes through the
-rollouts' own recovery (mint.train.cluster.collect_rollout): reload the revision, redo the shard with its seed.
+rollouts' own recovery (RolloutFleet.collect, mint.train.rollout_fleet): reload the revision, redo the shard with its
+seed.
 """
 
 from __future__ import annotations

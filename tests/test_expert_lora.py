@@ -1,4 +1,4 @@
-"""Factored expert LoRA (issue 11) against PEFT's materialized W + s·B A path (fp32, CPU).
+"""Factored expert LoRA against PEFT's materialized W + s·B A path (fp32, CPU).
 
 Two models per case from the same saved tiny base and the same seed: `add_lora(..., factored_experts=False)` is PEFT's
 own forward, `add_lora(...)` the factored default. LoRA on attention and on the fused experts, non-zero lora_B.
@@ -257,7 +257,7 @@ def test_an_unsupported_experts_layout_is_refused_by_name(random_qwen3_path):
 
 
 def test_lora_takes_the_base_dtype_everywhere():
-    """Issue 11: one LoRA dtype, the recipe's, in learner, rollout and server (PEFT would upcast bf16 adapters)."""
+    """One LoRA dtype, the recipe's, in learner, rollout and server (PEFT would upcast bf16 adapters)."""
     from transformers import AutoModelForCausalLM
 
     from mint.config import LoraConfig

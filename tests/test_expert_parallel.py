@@ -25,6 +25,8 @@ from longstraw.expert_parallel import combine, counted_sends, dispatch
 ATOL, RTOL = 1e-5, 1e-5
 H, D_OUT, K = 16, 12, 2
 TOKENS = {2: [7, 4], 4: [6, 0, 9, 3]}  # tokens per rank: different counts, and a rank with none
+# 4 ranks in the full suite only, as every 4-rank parity case: `make test-fast` keeps the 2-rank ones.
+FOUR_RANKS = pytest.param(4, marks=pytest.mark.slow)
 
 
 # ---- ranks -----------------------------------------------------------------------------------------------------------
@@ -113,7 +115,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR_RANKS])
 def test_dispatch_identity_combine_is_the_weighted_sum_over_k(tmp_path, world, case):
     E = 2 * world
     experts, sentinel = CASES[case]
@@ -128,7 +130,7 @@ def test_dispatch_identity_combine_is_the_weighted_sum_over_k(tmp_path, world, c
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR_RANKS])
 def test_per_expert_linear_and_gradients_equal_one_process(tmp_path, world, case):
     E = 2 * world
     E_local = E // world
@@ -156,7 +158,7 @@ def _bytes_rank(rank, world, E):
     return {"sent": sent["bytes"], **got}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR_RANKS])
 def test_communication_bytes_match_the_formula(tmp_path, world):
     """Every off-rank pair (token on rank s, expert on rank d != s) moves H·b out and D_OUT·b back in the forward,
     and the same two the other way in backward (b = 4, fp32). So rank r sends (counts, then rows)
@@ -276,7 +278,9 @@ def _ep_model_rank(rank, world, path, state, replay_routes):
     }
 
 
-@pytest.mark.parametrize(("world", "replay_routes"), [(2, False), (4, False), (2, True)])
+@pytest.mark.parametrize(
+    ("world", "replay_routes"), [(2, False), pytest.param(4, False, marks=pytest.mark.slow), (2, True)]
+)
 def test_ep_model_logits_and_lora_gradients_equal_one_rank(tmp_path, tiny_path, adapter_state, world, replay_routes):
     """EP over 2 and 4 ranks (1 expert each) against the single-rank factored model run on every rank's batch;
     with replay_routes the R3 routes use experts 0 and 1 only, so on 2 ranks rank 1 receives no rows."""
@@ -353,7 +357,7 @@ def _load_rank(rank, world, path, reference_path):
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR_RANKS])
 def test_load_reads_only_local_experts_and_equals_sharding_a_full_load(tmp_path, tiny_path, fused_path, world, layout):
     """Expert bytes read per rank = 1/ep of the checkpoint's (2 MoE layers x 4 experts: 196,608 of 393,216 bytes on
     2 ranks, 98,304 on 4); the dense weights are read whole (151,552 bytes)."""

@@ -178,7 +178,7 @@ def test_glm4_moe_expert_lora_splits_per_expert_and_serves_the_same_model(random
 
 
 def test_engine_adapter_dirs_read_back_as_the_trained_revision(random_tiny_path, tmp_path):
-    """What a rollout actor writes for its engine (issue 13): the per-expert layout records the trained revision's id
+    """What a rollout actor writes for its engine: the per-expert layout records the trained revision's id
     and config, and `read_adapter_dir` (what `mint serve` loads) fuses it back to the very tensors of that id; the
     peft layout is the revision as trained. A `mint export --format per-expert` directory reads back the same way."""
     trained = _trained(random_tiny_path)

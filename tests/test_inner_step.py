@@ -1,7 +1,7 @@
-"""The learner's inner steps on one group, under real DeepSpeed (one in-process rank, gloo) (issues 5 and 9).
+"""The learner's inner steps on one group, under real DeepSpeed (one in-process rank, gloo).
 
 Every test here builds its learner with `LearnerActor.setup`, the code a Ray learner rank runs, so each backward goes
-through DeepSpeed's engine.backward: the path the trainer takes. (Issue 9: an earlier stand-in engine whose backward
+through DeepSpeed's engine.backward: the path the trainer takes. (An earlier stand-in engine whose backward
 was a plain loss.backward() hid a defect under fp16 loss scaling.)
 """
 
@@ -188,7 +188,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     "and the learner here runs on it",
 )
 def test_exact_mode_under_the_fp16_loss_scale_equals_the_naive_step(random_qwen3_path):
-    """Issue 9: with fp16, DeepSpeed multiplies every loss by its loss scale S before backward. LongStraw's prompt
+    """With fp16, DeepSpeed multiplies every loss by its loss scale S before backward. LongStraw's prompt
     backward runs a surrogate built from the dK/dV its replays accumulated (already x S); scaled again, the prompt
     path came out S times too large (cosine 0.16 at S=1024). Here S=1024 and the exact step must match the naive
     step, which has no surrogate."""

@@ -1,4 +1,4 @@
-"""Issue 10 ("Runs that survive"): `mint revisions verify` finds exactly the damaged revisions and record shards,
+"""Runs that survive damage: `mint revisions verify` finds exactly the damaged revisions and record shards,
 `show` refuses a corrupt revision, catalog files are read-only yet gc deletes them, and non-finite tensors are never
 published. Real files, real SQLite, the CLI through `mint.cli.main`."""
 

@@ -1,4 +1,4 @@
-"""expert_lora: Triton kernels vs the plain-torch reference, outputs and every gradient (issue 11).
+"""expert_lora: Triton kernels vs the plain-torch reference, outputs and every gradient.
 
 The Triton kernels run on CPU under the Triton interpreter. TRITON_INTERPRET must be set before triton is first
 imported, and other test modules in the same pytest process import it first (and a GPU run must not interpret), so

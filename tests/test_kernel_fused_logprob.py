@@ -1,4 +1,4 @@
-"""fused_logprob: Triton kernel vs plain-torch reference, both outputs and every gradient (issue #4).
+"""fused_logprob: Triton kernel vs plain-torch reference, both outputs and every gradient.
 
 The Triton kernels run on CPU under the Triton interpreter, which must be switched on before triton is first imported;
 test_triton_kernels_under_interpreter re-runs this file's `interp_` tests in a subprocess with TRITON_INTERPRET=1

@@ -1,4 +1,4 @@
-"""prefix_attention: Triton kernel vs plain-torch reference, outputs and every gradient (issue #4).
+"""prefix_attention: Triton kernel vs plain-torch reference, outputs and every gradient.
 
 The Triton kernels run on CPU under the Triton interpreter. TRITON_INTERPRET must be set before triton is first
 imported, and other test modules in the same pytest process import it first (and a GPU run must not interpret), so
@@ -142,8 +142,8 @@ def run_adapter_views(leaves, views, fn, *, seed=1):
     return res | {"grad_k": t["grad_k"], "grad_v": t["grad_v"]}
 
 
-# Odd shapes from the issue: P=37, R=13, D in {16, 32, 64}, GQA 4:1 and 1:1; plus a multi-tile response (R=40 spans
-# three 16-row tiles, so causal tile skipping runs) with a tile-aligned prefix, and an empty prefix.
+# Odd shapes (P and R not powers of two): P=37, R=13, D in {16, 32, 64}, GQA 4:1 and 1:1; plus a multi-tile response
+# (R=40 spans three 16-row tiles, so causal tile skipping runs) with a tile-aligned prefix, and an empty prefix.
 SHAPES = [
     # B, H_q, H_kv, P, R, D, shared_prefix
     (None, 4, 1, 37, 13, 16, True),

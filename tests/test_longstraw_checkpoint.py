@@ -1,4 +1,4 @@
-"""Per-layer activation checkpointing inside LongStraw's replays and prompt-backward chunks (issue 11).
+"""Per-layer activation checkpointing inside LongStraw's replays and prompt-backward chunks.
 
 Gradients are those of the plain path (the recompute runs the same function, R3 windows included), and the bytes a
 replay saves for backward drop to about the layer inputs and K/V.

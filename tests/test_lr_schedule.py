@@ -22,7 +22,7 @@ SCHEDULE = ["learner.lr_schedule=cosine", "learner.min_lr_ratio=0.1", "learner.l
 
 def _learner(path: str, overrides: list[str], faults: Faults | None = None) -> LearnerActor:
     """A world-size-1 rank of the naive step (test_inner_step.real_learner), IcePop off."""
-    return real_learner(path, ["learner.engine=naive", "grpo.icepop=false", *overrides], faults=faults)
+    return real_learner(path, ["learner.inner_step=naive", "grpo.icepop=false", *overrides], faults=faults)
 
 
 def _plan(step: int) -> StepPlan:

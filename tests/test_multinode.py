@@ -1,4 +1,4 @@
-"""Issue 16: Mint on more than one Ray node, tested on one machine.
+"""Mint on more than one Ray node, tested on one machine.
 
 The pure parts first: the mounts table behind the catalog's refusal of network filesystems, and the placement
 planner on made-up clusters of 1-4 nodes of 8 GPUs. Then a real local cluster of two `ray start` daemons ("node-a",
@@ -68,7 +68,7 @@ def test_filesystem_of_takes_the_longest_mount_point_prefix(tmp_path):
     with pytest.raises(ConfigError) as err:
         require_local_fs("/home/bob/runs/catalog", mounts_file=m)
     message = str(err.value)
-    assert "\n" not in message and "nfs4" in message and "mint.catalog" in message and "local" in message
+    assert "\n" not in message and "nfs4" in message and "catalog.path" in message and "local" in message
 
 
 def test_catalog_and_driver_refuse_a_catalog_on_nfs(tmp_path, monkeypatch):
@@ -84,7 +84,7 @@ def test_catalog_and_driver_refuse_a_catalog_on_nfs(tmp_path, monkeypatch):
     proc = _mint(["train", str(SMOKE), *overrides], env=os.environ | {"MINT_MOUNTS": str(mounts)}, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mint: config error: mint.catalog: the catalog"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("mint: config error: catalog.path: the catalog"), proc.stderr
     assert "local" in lines[0] and not (tmp_path / "shared").exists()
 
 

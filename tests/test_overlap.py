@@ -28,7 +28,7 @@ from mint.train.pipeline import queue_limit
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 24, 8
 K1 = [f"grpo.steps={STEPS}", "rollout.max_staleness=1", f"checkpoint.every={EVERY}"]
-SMALL = ["learner.num_ranks=1", "ray.learner_cpus=1", "ray.rollout_cpus=1", "mint.save_every=1000"]
+SMALL = ["learner.num_ranks=1", "ray.learner_cpus=1", "ray.rollout_cpus=1", "catalog.export_every=1000"]
 
 
 def test_queue_limit_bounds_staleness_and_drains_at_checkpoints():

@@ -1,5 +1,5 @@
 """The per-GPU memory plan (`mint plan`, mint.models.plan): its parameter counts against the published totals and a
-real PEFT model, and the verdicts docs/scaling.md states (issue 11)."""
+real PEFT model, and the verdicts docs/scaling.md states."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_sizes_parse():
 
 
 def test_30b_a3b_at_16k_prompts_and_4k_responses_fits_a_96gb_h20():
-    """The issue's job: Qwen3-30B-A3B, LoRA r=32, G=8, P=16384, R=4096, exact mode, 4 learner ranks."""
+    """A long-context job: Qwen3-30B-A3B, LoRA r=32, G=8, P=16384, R=4096, exact mode, 4 learner ranks."""
     plan = make_plan(shape("qwen3_30b_a3b"), "qwen3_30b_a3b", Job(16384, 8, 4096, data_parallel=4), 96 * GiB)
     assert plan.fits, plan.table()
     assert plan.terms["frozen base weights"] / GiB == pytest.approx(61.0 / 1.0737, rel=0.02)  # 30.5e9 x 2 bytes

@@ -45,7 +45,7 @@ steps = 1
 
 [learner]
 num_ranks = 1
-engine = "naive"
+inner_step = "naive"
 
 [logging]
 name = "prev"
@@ -107,13 +107,13 @@ CASES = [
     # The run starts the engines minutes later (Ray, the learner, the model load); the engine then refused at start.
     Case(
         "vllm_engines_with_lora_rank_above_512",
-        ("rollout.backend=vllm", "rollout.engines=1", "lora.rank=640"),
+        ("rollout.backend=vllm", "engines.start=1", "lora.rank=640"),
         "lora.rank",
         "640 is above 512, the largest --max-lora-rank vLLM accepts",
     ),
     Case(
         "sglang_engines_with_a_lora_module_sglang_does_not_take",
-        ("rollout.backend=sglang", "rollout.engines=1", "lora.target_modules=['q_proj', 'c_attn']"),
+        ("rollout.backend=sglang", "engines.start=1", "lora.target_modules=['q_proj', 'c_attn']"),
         "lora.target_modules",
         "SGLang's --lora-target-modules does not take 'c_attn'",
     ),
@@ -130,7 +130,8 @@ CASES = [
 ]
 
 # Inputs the actors refused after Ray started (the learner, the rollout actor), or the driver after it had moved the
-# previous run aside (mint.catalog). Run in process and as a real process like CASES, without a time limit.
+# previous run aside (catalog.path). Run in process like CASES, without a time limit, and as real processes (7 `mint
+# train` runs: 24 s of CPU, 45-67 s on 2 shared cores) in the full suite only.
 STARTED_CASES = [
     Case(
         "expert_parallel_that_does_not_divide_the_experts",
@@ -146,14 +147,14 @@ STARTED_CASES = [
     ),
     Case(
         "expert_parallel_with_resident_mode",
-        ("learner.num_ranks=2", "learner.expert_parallel=2", "learner.engine=longstraw", "longstraw.mode=resident"),
+        ("learner.num_ranks=2", "learner.expert_parallel=2", "learner.inner_step=longstraw", "longstraw.mode=resident"),
         "learner.expert_parallel",
         "resident mode is not supported with expert parallel",
     ),
     Case(
         "adapter_layout_vllm_cannot_read",
-        ("rollout.backend=vllm", "rollout.urls=['http://127.0.0.1:9']", "rollout.adapter_layout=peft"),
-        "rollout.adapter_layout",
+        ("rollout.backend=vllm", "engines.urls=['http://127.0.0.1:9']", "engines.adapter_layout=peft"),
+        "engines.adapter_layout",
         "vllm reads qwen3_moe expert LoRA in the per-expert layout, not peft",
     ),
     Case(
@@ -162,11 +163,11 @@ STARTED_CASES = [
         "eval.source",
         "record 1 (0-based) is 1015 tokens with the chat template, over the 248 that fit the model's 256 positions",
     ),
-    Case("catalog_is_a_regular_file", ("mint.catalog={inputs}/catalog.db",), "mint.catalog", "catalog.db is a file"),
+    Case("catalog_is_a_regular_file", ("catalog.path={inputs}/catalog.db",), "catalog.path", "catalog.db is a file"),
     Case(
         "catalog_under_a_regular_file",
-        ("mint.catalog={inputs}/catalog.db/revisions",),
-        "mint.catalog",
+        ("catalog.path={inputs}/catalog.db/revisions",),
+        "catalog.path",
         "cannot be made: ",
     ),
 ]
@@ -240,7 +241,15 @@ def test_bad_recipe_refused_in_process(case, inputs, tmp_path):
     assert _snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+# As real processes, two cases import transformers and load the base's tokenizer before refusing (5 s of CPU each,
+# 12-18 s on 2 shared cores, where the others take 0.1-0.2 s of CPU): the full suite only. In process, all run in
+# test-fast.
+SLOW_AS_A_PROCESS = {"prompt_longer_than_the_context", "stop_string_of_several_tokens"}
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.id, marks=pytest.mark.slow if c.id in SLOW_AS_A_PROCESS else ()) for c in CASES]
+)
 def test_bad_recipe_fails_fast_as_a_real_process(case, inputs, tmp_path):
     """`mint train` as a user runs it: exit 2, one line on stderr (a started Ray prints its own lines there), and the
     previous run left where it was. Until `mint train` called preflight, the cases of stage "preflight" started Ray
@@ -249,6 +258,7 @@ def test_bad_recipe_fails_fast_as_a_real_process(case, inputs, tmp_path):
     _refused_by_mint_train(case, inputs, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", STARTED_CASES, ids=lambda c: c.id)
 def test_input_refused_after_ray_started_is_refused_by_a_real_process_first(case, inputs, tmp_path):
     """`mint train` on each STARTED_CASES input: it started Ray and failed inside an actor (a traceback, the
@@ -466,5 +476,5 @@ def test_the_rollout_actor_cuts_or_refuses_a_prompt_with_the_preflight_check(inp
 
 def test_a_new_catalog_directory_passes_and_is_not_made(inputs):
     catalog = inputs.root / "shared" / "catalog"
-    preflight(_config(inputs, f"mint.catalog={catalog}"))
+    preflight(_config(inputs, f"catalog.path={catalog}"))
     assert not catalog.parent.exists()

@@ -54,7 +54,7 @@ def test_write_is_atomic_and_read_verifies(tmp_path):
     rid = write_revision_dir(target, t, {"r": 4}, {"step": 3, "parent": None})
     assert rid == revision_id(t)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp directory left behind"
-    # files are read-only once in place; the directory is not, so gc can delete them (issue 10)
+    # files are read-only once in place; the directory is not, so gc can delete them
     assert {stat.S_IMODE(p.stat().st_mode) for p in target.iterdir()} == {0o444}
     assert target.stat().st_mode & stat.S_IWUSR
     tensors, config, meta = read_revision_dir(target)

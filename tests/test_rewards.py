@@ -1,11 +1,10 @@
 """mint.rl.rewards and mint.rl.reward_set: the built-in rewards on hand cases and on a table of real answer forms,
-resolving specs, `score` containing a misbehaving fn, and RewardSet (weights, extra fields, batched, async)."""
+resolving specs, and RewardSet (weights, extra fields, batched, async, a misbehaving fn contained)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import pickle
 import textwrap
 import uuid
@@ -15,7 +14,7 @@ import pytest
 from mint.errors import RewardError
 from mint.rl.data import load_dataset
 from mint.rl.reward_set import RewardSet, RewardSetResult, parse_reward_spec
-from mint.rl.rewards import RewardResult, exact_match, math_reward, math_verify_reward, resolve_reward, score
+from mint.rl.rewards import exact_match, math_reward, math_verify_reward, resolve_reward
 from mint.rl.tasks import Example
 
 
@@ -130,8 +129,8 @@ def test_resolve_module_path(tmp_path, monkeypatch):
 
 
 def test_resolve_stdlib_function_of_the_right_shape():
-    fn = resolve_reward("operator:eq")
-    assert score(fn, ["a", "b"], ["a", "c"]) == RewardResult([1.0, 0.0], errors=0, clipped=0)
+    result = RewardSet("operator:eq").score(["a", "b"], [ex("a"), ex("c")])
+    assert result.rewards == {"operator:eq": [1.0, 0.0]} and result.first_error == ""
 
 
 def test_resolve_unknown_names():
@@ -154,51 +153,16 @@ def test_resolve_module_that_fails_on_import(tmp_path, monkeypatch):
     assert pickle.loads(pickle.dumps(info.value)).args == info.value.args
 
 
-# --- score -----------------------------------------------------------------------------------------------------------
-
-
-def test_score_contains_failures(caplog):
-    def flaky(response, answer):
-        if response == "raise":
-            raise ZeroDivisionError("bad sample")
-        return {"nan": math.nan, "inf": math.inf, "str": "1.0", "none": None}.get(response, 1.0)
-
-    responses = ["ok", "raise", "nan", "inf", "str", "none", "ok"]
-    with caplog.at_level(logging.WARNING, logger="mint.rl.rewards"):
-        result = score(flaky, responses, ["x"] * len(responses))
-    assert result == RewardResult(
-        [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0], errors=5, clipped=0, first_error="ZeroDivisionError: bad sample"
-    )
-    (record,) = caplog.records  # one line per batch, not one per failure
-    assert "ZeroDivisionError: bad sample" in record.getMessage() and "5 of 7" in record.getMessage()
-
-
-def test_score_clips_out_of_range():
-    values = {"a": -0.5, "b": 1.5, "c": 0.25, "d": True}
-    result = score(lambda r, a: values[r], list(values), [""] * 4)
-    assert result == RewardResult([0.0, 1.0, 0.25, 1.0], errors=0, clipped=2)
-
-
-def test_score_length_mismatch():
-    with pytest.raises(ValueError, match="2 responses but 1 answers"):
-        score(exact_match, ["a", "b"], ["a"])
-
-
-def test_reward_result_pickles():
-    result = score(exact_match, ["1", "2"], ["1", "3"])
-    assert pickle.loads(pickle.dumps(result)) == result == RewardResult([1.0, 0.0])
-
-
 # --- the synthetic task is not guessable -----------------------------------------------------------------------------
 
 
 def test_constant_answer_on_synthetic_task_scores_chance():
     # The answer must depend on the prompt: any constant guess should score 1/10 (sd 0.007 over 2000 samples).
     examples = load_dataset("synthetic:first_last").take(2000, seed=1234)
-    answers = [e.answer for e in examples]
+    rewards = RewardSet("exact_match")
     for guess in "0123456789":
-        rewards = score(exact_match, [guess] * len(answers), answers).rewards
-        assert sum(rewards) / len(rewards) == pytest.approx(0.1, abs=0.03), guess
+        total = rewards.score([guess] * len(examples), examples).total
+        assert sum(total) / len(total) == pytest.approx(0.1, abs=0.03), guess
 
 
 # --- math_verify against the hand-written rules on real answer forms --------------------------------------------------
@@ -363,6 +327,14 @@ def user_rewards(tmp_path, monkeypatch):
                 if response == "raise":
                     raise KeyError("bad")
                 return 2.0
+
+            def misbehaves(response, answer):
+                if response == "raise":
+                    raise ZeroDivisionError("bad sample")
+                return {"nan": float("nan"), "inf": float("inf"), "str": "1.0", "none": None}.get(response, 1.0)
+
+            def out_of_range(response, answer):
+                return {"a": -0.5, "b": 1.5, "c": 0.25, "d": True}[response]
             """
         )
     )
@@ -449,6 +421,34 @@ def test_failures_clipping_and_parts(user_rewards):
     assert isinstance(result, RewardSetResult)
     with pytest.raises(ValueError, match="2 responses but 1 examples"):
         rewards.score(["a", "b"], [ex("a")])
+
+
+def test_a_misbehaving_function_scores_zero_there_and_logs_one_line_per_batch(user_rewards, caplog):
+    """A sample on which the function raises, or returns NaN, inf, a string or None, scores 0.0 and names its
+    failure; the batch goes on, and the log gets one warning line for the batch, not one per failed sample."""
+    responses = ["ok", "raise", "nan", "inf", "str", "none", "ok"]
+    with caplog.at_level(logging.WARNING, logger="mint.rl.reward_set"):
+        result = RewardSet("user_rewards:misbehaves").score(responses, [ex("x")] * len(responses))
+    assert result.rewards == {"user_rewards:misbehaves": [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]}
+    assert result.failures["user_rewards:misbehaves"] == [
+        "",
+        "ZeroDivisionError: bad sample",
+        "ValueError: returned nan",
+        "ValueError: returned inf",
+        "TypeError: returned str, not a number",
+        "TypeError: returned NoneType, not a number",
+        "",
+    ]
+    assert result.first_error == "user_rewards:misbehaves: ZeroDivisionError: bad sample"
+    (record,) = caplog.records
+    assert "ZeroDivisionError: bad sample" in record.getMessage() and "5 of 7" in record.getMessage()
+
+
+def test_values_outside_zero_one_are_clipped_and_a_bool_is_a_number(user_rewards):
+    result = RewardSet("user_rewards:out_of_range").score(["a", "b", "c", "d"], [ex("")] * 4)
+    assert result.rewards == {"user_rewards:out_of_range": [0.0, 1.0, 0.25, 1.0]}
+    assert result.clipped == {"user_rewards:out_of_range": [True, True, False, False]}
+    assert result.errors == {"user_rewards:out_of_range": 0}
 
 
 def test_check_raises_on_the_first_example(user_rewards):

@@ -1,7 +1,7 @@
 """The rollout engine and route recording on real tiny MoE models (both families), against independent references.
 
 References: HF `generate` for greedy tokens, a fresh full forward over prompt + response for logprobs and routes, each
-group decoded alone for the all-groups decode batch (issue 13), and the exact tempered/top-p distribution for the
+group decoded alone for the all-groups decode batch, and the exact tempered/top-p distribution for the
 sampler.
 """
 
@@ -191,7 +191,7 @@ def test_stop_token_and_length(qwen3_model):
 
 def test_sampled_rows_stop_independently(tiny_model):
     """Rows that finish early are masked out while the others decode on; none carries a token after its stop.
-    (16 rows and seed 5 since issue 13's inverse-CDF sampler: with 8 rows the old seed drew all stops.)"""
+    (16 rows and seed 5 since the sampler became inverse-CDF: with 8 rows the old seed drew all stops.)"""
     stop_ids = tuple(range(0, 97, 4))  # ~25% of the vocab: some rows stop early, some run to max_tokens
     engine = RolloutEngine(tiny_model, eos_token_ids=[96])
     params = SamplingParams(temperature=1.0, max_tokens=6, stop_token_ids=stop_ids)
@@ -305,7 +305,7 @@ def test_peft_lora_model(random_tiny_path):
     assert not torch.equal(base.completions[0].logprobs_R, greedy.completions[0].logprobs_R), "adapter had no effect"
 
 
-# -- all groups of a step in one decode batch (issue 13) --------------------------------------------------------------
+# -- all groups of a step in one decode batch -------------------------------------------------------------------------
 
 
 def test_batched_groups_equal_each_group_decoded_alone(tiny_model):

@@ -1,4 +1,4 @@
-"""The expert-parallel learner (issue 12) against the single-rank learner, both built by `LearnerActor.setup` on real
+"""The expert-parallel learner against the single-rank learner, both built by `LearnerActor.setup` on real
 DeepSpeed (ZeRO-1, gloo, fp32): EP=2 on 2 ranks (each rank holds 2 of the 4 experts), for both Qwen families.
 
 The two ranks run different groups: different prompt lengths (so different capture and prompt-backward chunk counts),
@@ -186,10 +186,11 @@ def _learner_rank(rank, world, port, path, ep, init, assigned, observe):
     return out
 
 
-@pytest.mark.parametrize(
-    ("family", "world"),
-    [("qwen3_moe", 2), ("qwen2_moe", 2), pytest.param("qwen3_moe", 4, marks=pytest.mark.slow)],
-)
+# Every multi-rank learner run below is slow (10-35 s each on 2 shared cores: real DeepSpeed ranks on gloo, each
+# building the tiny model); test-fast keeps the 2-rank parity of the sharded layers themselves in
+# tests/test_expert_parallel.py and tests/test_context_parallel.py, and this file's one-line config refusals.
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "world"), [("qwen3_moe", 2), ("qwen2_moe", 2), ("qwen3_moe", 4)])
 def test_ep2_learner_equals_the_single_rank_learner(tmp_path, family, world):
     """EP=2 on 2 ranks (and on 4: two EP groups that are data-parallel replicas, so the expert gradients reduce over
     the replicas and their optimizer state is split between them) against 1 rank running every group: naive, exact
@@ -223,6 +224,7 @@ def test_ep2_learner_equals_the_single_rank_learner(tmp_path, family, world):
     print(f"grad_norm {single['grad_norm']:.4f}")
 
 
+@pytest.mark.slow
 def test_r3_replay_runs_no_token_on_unrecorded_experts(tmp_path):
     """Routes recorded on experts 0 and 1 only (rank 0's): under R3 the LongStraw steps send rank 1's experts no row
     at all, while rank 1 still takes part in every MoE call (its group's tokens go to rank 0). The naive step is left
@@ -272,6 +274,7 @@ def _resume_rank(rank, world, port, path, init, assigned, directory, revision):
     return {"revision": saved, "state": learner._full_lora_state()}
 
 
+@pytest.mark.slow
 def test_ep2_checkpoint_resumes_where_the_run_left_off(tmp_path):
     """A restored EP learner's next step equals the uninterrupted one's. (DeepSpeed's model-state file holds rank 0's
     expert LoRA only; loading it gave rank 1 rank 0's experts until `_weights_from_master`.)"""
@@ -316,7 +319,7 @@ def _cp_rank(rank, world, port, path, ep, cp, init, groups):
 
     overrides = [f"learner.num_ranks={world}", f"learner.expert_parallel={ep}", f"longstraw.context_parallel={cp}"]
     overrides += ["ray.torch_threads=1", "grpo.kl_coef=0.05", "grpo.icepop=false", "grpo.r3=true"]
-    base = build_config({}, [*overrides, "learner.grad_clip=0.5", "learner.engine=longstraw"])
+    base = build_config({}, [*overrides, "learner.grad_clip=0.5", "learner.inner_step=longstraw"])
     learner = LearnerActor(base, path, rank, world)
     learner.setup("127.0.0.1", port, init)
     plan = plan_step(groups, world, 0, cp, ep)[rank]
@@ -357,6 +360,7 @@ def _check_cp_against_single(sharded: list, single: dict, world: int, cp: int) -
         torch.testing.assert_close(sharded[0]["state"][key], value, atol=0.01 * lr, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_cp2_learner_equals_the_single_rank_learner(tmp_path, family):
     """CP=2 on 2 ranks (one replica: both ranks run both groups, each keeping half of every prompt's pages) against 1
@@ -394,7 +398,10 @@ def test_ep2_cp2_learner_on_4_ranks_equals_the_single_rank_learner(tmp_path):
             ["learner.num_ranks=4", "learner.expert_parallel=2", "longstraw.context_parallel=4"],
             "4 x learner.expert_parallel 2 = 8 does not divide",
         ),
-        (["learner.num_ranks=2", "longstraw.context_parallel=2", "learner.engine=naive"], "learner.engine = naive"),
+        (
+            ["learner.num_ranks=2", "longstraw.context_parallel=2", "learner.inner_step=naive"],
+            "learner.inner_step = naive",
+        ),
         (["learner.num_ranks=2", "longstraw.context_parallel=2", "longstraw.mode=resident"], "mode = resident"),
     ],
 )
@@ -408,7 +415,7 @@ def test_context_parallel_config_is_refused_in_one_line(overrides, message):
 
 @pytest.mark.slow
 def test_cp2_smoke_run_learns(tmp_path):
-    """`mint train recipes/smoke.toml learner.num_ranks=2 learner.engine=longstraw longstraw.context_parallel=2`,
+    """`mint train recipes/smoke.toml learner.num_ranks=2 learner.inner_step=longstraw longstraw.context_parallel=2`,
     cut to 30 steps (~2.2 s each on 2 cores): both ranks run every group, each holding half of each prompt's pages.
     The reward rises as the single-rank run's does (0.28 -> ~0.6 over the first 30 steps of the smoke recipe), and
     the rollout engine scores with exactly the learner's published adapter."""
@@ -419,7 +426,7 @@ def test_cp2_smoke_run_learns(tmp_path):
     from mint.train.driver import train
 
     root = Path(__file__).resolve().parents[1]
-    overrides = ["learner.num_ranks=2", "learner.engine=longstraw", "longstraw.context_parallel=2", "grpo.steps=30"]
+    overrides = ["learner.num_ranks=2", "learner.inner_step=longstraw", "longstraw.context_parallel=2", "grpo.steps=30"]
     overrides += [f"logging.root={tmp_path}", "logging.name=cp", "logging.progress=false"]
     summary = train(load_config(root / "recipes/smoke.toml", overrides))
     assert summary["reward_gain"] >= 0.2, summary

@@ -291,7 +291,16 @@ print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "digest
 """
 
 
-@pytest.mark.parametrize("capability", ["default", "avx2", None], ids=["default", "avx2", "native"])
+# A fresh interpreter per capability (4.5 s of CPU each, 11-13 s on 2 shared cores): the machine's own kernels in
+# test-fast, the forced ones in the full suite.
+@pytest.mark.parametrize(
+    "capability",
+    [
+        pytest.param("default", marks=pytest.mark.slow, id="default"),
+        pytest.param("avx2", marks=pytest.mark.slow, id="avx2"),
+        pytest.param(None, id="native"),
+    ],
+)
 def test_ensure_tiny_gives_the_shipped_bytes_under_any_cpu_kernels(tmp_path, capability):
     """Built here, the bases' bytes followed ATEN_CPU_CAPABILITY (three digests per family, docs/decisions.md); through
     ensure_tiny every capability gets the shipped bytes, with no build (a fresh process each: torch reads the

@@ -28,7 +28,7 @@ def _digests(model) -> dict[str, str]:
 
 
 def test_smoke_recipe_trains_lora_and_never_moves_the_base(tmp_path):
-    """The smoke recipe as written: its documented engine is the naive step (recipes/smoke.toml says why)."""
+    """The smoke recipe as written: LongStraw exact with its responses replayed in micro-batches."""
     config = load_config(
         ROOT / "recipes/smoke.toml",
         [
@@ -36,7 +36,7 @@ def test_smoke_recipe_trains_lora_and_never_moves_the_base(tmp_path):
             f"logging.root={tmp_path}",
             "logging.name=e2e",
             "logging.progress=false",
-            "mint.save_every=2",
+            "catalog.export_every=2",
             "learner.num_ranks=2",
             "grpo.kl_coef=0.01",
         ],
@@ -93,7 +93,7 @@ def test_cli_main_job_prints_json_last_line_under_zero3(tmp_path):
             "recipes/smoke.toml",
             "grpo.steps=2",
             "learner.zero_stage=3",
-            "learner.engine=naive",
+            "learner.inner_step=naive",
             "grpo.filter_zero_variance=true",
             f"logging.root={tmp_path}",
             "logging.name=cli",
@@ -121,7 +121,7 @@ def test_longstraw_modes_train_through_ray(tmp_path, mode):
         [
             "grpo.steps=3",
             "learner.num_ranks=1",
-            "learner.engine=longstraw",
+            "learner.inner_step=longstraw",
             f"longstraw.mode={mode}",
             f"logging.root={tmp_path}",
             f"logging.name={mode}",
@@ -142,7 +142,8 @@ def _metrics(run_dir: Path) -> list[dict]:
 def test_exact_run_equals_the_naive_run_step_by_step(tmp_path):
     """The default inner step, LongStraw exact, end to end through `mint train` as a real process: real Ray,
     2 learner ranks on real DeepSpeed (ZeRO-2, gloo), KL on, R3 on. A naive-step run of the same recipe gives the
-    same losses and gradient norms at every step (fp32, 1e-5): the same gradient, so the same run."""
+    same losses and gradient norms at every step (fp32, 1e-5): the same gradient, so the same run. The smoke recipe
+    replays each group's responses as one micro-batch (longstraw.replay_budget_mb), so this is that path too."""
     common = [
         "grpo.steps=3",
         "learner.num_ranks=2",
@@ -151,7 +152,7 @@ def test_exact_run_equals_the_naive_run_step_by_step(tmp_path):
         f"logging.root={tmp_path}",
         "logging.progress=false",
     ]
-    exact_overrides = ["logging.name=exact", "learner.engine=longstraw", "longstraw.mode=exact"]
+    exact_overrides = ["logging.name=exact", "learner.inner_step=longstraw", "longstraw.mode=exact"]
     proc = subprocess.run(
         [sys.executable, "-m", "mint.cli", "train", "recipes/smoke.toml", *common, *exact_overrides],
         cwd=ROOT,
@@ -165,9 +166,10 @@ def test_exact_run_equals_the_naive_run_step_by_step(tmp_path):
     assert f"mint: report {tmp_path / 'exact' / 'report.md'}" in proc.stderr
     assert len(list((tmp_path / "exact" / "plots").glob("*.png"))) >= 4
     exact_config = json.loads((tmp_path / "exact/config.json").read_text())
-    assert exact_config["learner"]["engine"] == "longstraw" and exact_config["longstraw"]["mode"] == "exact"
+    assert exact_config["learner"]["inner_step"] == "longstraw" and exact_config["longstraw"]["mode"] == "exact"
 
-    naive_summary = train(load_config(ROOT / "recipes/smoke.toml", [*common, "logging.name=naive"]))
+    naive = ["logging.name=naive", "learner.inner_step=naive"]
+    naive_summary = train(load_config(ROOT / "recipes/smoke.toml", [*common, *naive]))
     exact, naive = _metrics(tmp_path / "exact"), _metrics(tmp_path / "naive")
     assert [m["step"] for m in exact] == [m["step"] for m in naive] == [1, 2, 3]
     for a, b in zip(exact, naive, strict=True):

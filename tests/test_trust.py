@@ -1,4 +1,4 @@
-"""R3 route replay and IcePop: one audited per-token trust mask (issue 5)."""
+"""R3 route replay and IcePop: one audited per-token trust mask."""
 
 import math
 import pickle

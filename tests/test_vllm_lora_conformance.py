@@ -48,6 +48,9 @@ MOE = ("qwen3_moe", "qwen2_moe", "glm4_moe")
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 PACKED |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 REFUSED_FUSED = "contains fused 3D MoE weights"  # vLLM's error for PEFT's fused layout on a 2-D MoE wrapper
+# A subprocess in the engine virtualenv builds each tiny base with vLLM's CPU model runner, and `make test-fast`
+# installs no engines: the full suite only. The layouts Mint writes are checked without vLLM in test_export.py.
+pytestmark = pytest.mark.slow
 
 
 def _trained(base: str, family: str):
@@ -177,7 +180,7 @@ def _assert_expert_deltas_match_peft_merge(case: dict, held: dict[str, torch.Ten
 @pytest.mark.parametrize("family", MOE)
 def test_vllm_refuses_every_other_layout_and_so_does_engine_layout(vllm_loads, family):
     """PEFT's fused expert layout on a model vLLM runs with the 2-D MoE LoRA wrapper: vLLM refuses it at load (without
-    --enable-mixed-moe-lora-format), so an explicit rollout.adapter_layout = peft is a one-line error up front."""
+    --enable-mixed-moe-lora-format), so an explicit engines.adapter_layout = peft is a one-line error up front."""
     case = vllm_loads[family]
     for layout in set(ENGINE_LAYOUTS) - {"auto", case["chosen"]}:
         record = case["loaded"][layout]
@@ -188,7 +191,7 @@ def test_vllm_refuses_every_other_layout_and_so_does_engine_layout(vllm_loads, f
 
 
 def test_glm4_moe_expert_lora_was_written_fused_which_vllm_refuses(vllm_loads):
-    """GLM-4.5 expert LoRA under rollout.adapter_layout = auto was handed to vLLM in PEFT's fused layout (per-expert
+    """GLM-4.5 expert LoRA under engines.adapter_layout = auto was handed to vLLM in PEFT's fused layout (per-expert
     was refused for GLM as unverified), and vLLM refused the load ("contains fused 3D MoE weights ... 2D MoE LoRA
     wrapper"). auto now writes GLM per-expert, whose names (experts.{e}.gate_proj/up_proj/down_proj beside
     shared_experts.*) vLLM's Glm4MoeForCausalLM packs into its experts, and vLLM loads it."""

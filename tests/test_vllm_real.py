@@ -1,7 +1,7 @@
 """A real vLLM server in the loop: vLLM's CPU build (`make engines` installs it into .engines/vllm), not an imitation.
 
 - A GRPO run on the dense tiny Qwen3 (`tiny:qwen3`, head_dim 32: vLLM's CPU attention refuses 16) with
-  rollout.backend = vllm and rollout.engines = 1 on the default launch line (`vllm serve ...`): every step's adapter
+  rollout.backend = vllm and engines.start = 1 on the default launch line (`vllm serve ...`): every step's adapter
   is hot-loaded into the server (/v1/load_lora_adapter, in place), the learner's logprobs of the engine's tokens equal
   the engine's at every step (fp32), the run learns the smoke task, and the server, SIGKILLed mid-run, is restarted on
   its URL and the run finishes.
@@ -57,9 +57,9 @@ def test_a_grpo_run_through_a_real_vllm_learns_with_the_learners_logprobs_and_su
             f"grpo.steps={steps}",
             "learner.num_ranks=1",
             "rollout.backend=vllm",
-            "rollout.engines=1",
-            f"rollout.engine_path={engine_python.parent}",
-            f"rollout.engine_start_timeout={START_TIMEOUT_S}",
+            "engines.start=1",
+            f"engines.path={engine_python.parent}",
+            f"engines.start_timeout={START_TIMEOUT_S}",
             f"logging.root={tmp_path}",
             "logging.name=vllm",
             "logging.progress=false",

@@ -1,5 +1,5 @@
 """A padded LM head (real Qwen checkpoints: 151,936 rows for 151,669 tokens): padding ids are never sampled, and the
-rollout engine and LongStraw score over the same cut vocabulary (issue 11)."""
+rollout engine and LongStraw score over the same cut vocabulary."""
 
 from __future__ import annotations
 

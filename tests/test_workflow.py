@@ -1,4 +1,4 @@
-"""A researcher's workflow end to end (issue 14): generate a held-out arithmetic task, train the CPU recipe on it
+"""A researcher's workflow end to end: generate a held-out arithmetic task, train the CPU recipe on it
 through Hugging Face datasets, and check eval pass@1 rises; a resumed run keeps the eval it measured before step 1.
 
 Real local Ray and DeepSpeed (gloo), one learner rank, the embedded tiny Qwen3-MoE.
@@ -66,7 +66,7 @@ def test_generator_writes_disjoint_saved_datasets(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_arithmetic_recipe_learns_held_out_problems(tmp_path, monkeypatch):
-    """The issue's "done when": 200 train / 50 eval problems generated here, saved with `save_to_disk` and read back
+    """The whole workflow: 200 train / 50 eval problems generated here, saved with `save_to_disk` and read back
     through `datasets`, chat-message prompts, math_verify plus a reward fed by the extra `terms` column; the held-out
     sampled pass@1 rises."""
     data = tmp_path / "arith"
@@ -96,7 +96,7 @@ def test_arithmetic_recipe_learns_held_out_problems(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_resumed_run_keeps_the_eval_before_its_first_step(tmp_path):
-    """Issue 14: --resume used to drop eval_*_first from the summary; the checkpoint now carries it."""
+    """--resume used to drop eval_*_first from the summary; the checkpoint now carries it."""
     data = tmp_path / "arith"
     assert tasks.main(["arithmetic", "--out", str(data), "--train", "40", "--eval", "16"]) == 0
     common = [

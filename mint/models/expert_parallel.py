@@ -1,4 +1,4 @@
-"""Expert parallel experts: each rank of an EP group holds its block of routed experts and their LoRA (issue 12).
+"""Expert parallel experts: each rank of an EP group holds its block of routed experts and their LoRA.
 
 The layout (docs/sharding.md, "Expert parallel"): with `ep` ranks and E experts per MoE layer, rank r owns experts
 [r·E/ep, (r+1)·E/ep). `shard_experts` converts a PeftModel built by `mint.models.lora.add_lora` in place:

@@ -1,10 +1,9 @@
-"""Reward functions: `fn(response: str, answer: str) -> float` in [0, 1], resolved by name and scored safely.
+"""Reward functions: `fn(response: str, answer: str) -> float` in [0, 1], resolved by name.
 
 `resolve_reward` turns one reward name into a function: a built-in (`exact_match`, `math_verify`, `math`,
-`math_rules`) or `pkg.module:fn`, imported with importlib. `score` applies one function to a batch and never raises
-because of it: a sample whose reward raises, or returns a non-number, NaN or inf, scores 0.0 and is counted in
-`errors`; a finite value outside [0, 1] is clipped into it and counted in `clipped`. Several weighted functions,
-extra record fields, batched and async functions: `mint.rl.reward_set`.
+`math_rules`) or `pkg.module:fn`, imported with importlib. Scoring a batch safely (a sample whose function raises or
+returns a non-number, NaN or inf scores 0.0; a value outside [0, 1] is clipped), with several weighted functions,
+extra record fields, batched and async functions, is `mint.rl.reward_set.RewardSet`.
 """
 
 from __future__ import annotations
@@ -13,18 +12,12 @@ import difflib
 import functools
 import importlib
 import inspect
-import logging
-import math
-import numbers
 import re
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from fractions import Fraction
 
 from mint.errors import RewardError
-
-logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
 
@@ -165,50 +158,6 @@ def resolve_reward(spec: str) -> RewardFn:
     except ValueError:  # some C callables have no signature: nothing to check
         pass
     return fn
-
-
-@dataclass(frozen=True)
-class RewardResult:
-    """Rewards of one batch, each in [0, 1], with how many samples failed (scored 0.0) or were clipped."""
-
-    rewards: list[float]
-    errors: int = 0
-    clipped: int = 0
-    first_error: str = ""  # the first failure, one line ("TypeError: ..."), empty when none failed
-
-
-def score(fn: RewardFn, responses: list[str], answers: list[str]) -> RewardResult:
-    """rewards[i] = clip(fn(responses[i], answers[i]), 0, 1), or 0.0 where fn fails (raises, non-number, NaN, inf).
-
-    Failures never propagate: a bad reward on one sample must not kill the run. One warning line per batch names the
-    first failure.
-    """
-    if len(responses) != len(answers):
-        raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
-    rewards, errors, clipped, first_failure = [], 0, 0, ""
-    for response, answer in zip(responses, answers, strict=True):
-        try:
-            value = fn(response, answer)
-            if not isinstance(value, numbers.Real):
-                raise TypeError(f"returned {type(value).__name__}, not a number")
-            value = float(value)
-            if not math.isfinite(value):
-                raise ValueError(f"returned {value}")
-        except Exception as e:
-            errors += 1
-            first_failure = first_failure or _one_line(e)
-            rewards.append(0.0)
-            continue
-        if not 0.0 <= value <= 1.0:
-            clipped += 1
-            value = min(max(value, 0.0), 1.0)
-        rewards.append(value)
-    if errors:
-        name = getattr(fn, "__qualname__", repr(fn))
-        logger.warning(
-            "reward %s failed on %d of %d samples (scored 0.0); first: %s", name, errors, len(rewards), first_failure
-        )
-    return RewardResult(rewards, errors, clipped, first_failure)
 
 
 def _one_line(e: BaseException) -> str:
