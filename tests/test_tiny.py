@@ -384,10 +384,13 @@ def test_a_fresh_build_on_other_kernels_reaches_the_shipped_skill(tmp_path):
     """build_tiny is still the code that made the shipped base: a fresh qwen3_moe build under other CPU kernels than
     the shipped one's (30-50 s, 1 thread) has other bytes but the partial skill the shipped manifest records.
 
-    Tolerance 0.1 on every held-out figure (400 prompts per task), from the builds measured under default / avx2 /
-    avx512 (docs/decisions.md): qwen3_moe's figures spread at most 0.076 (arithmetic greedy), `expected` at most
-    0.036; `sampled` adds binomial noise of sd 0.023 per build at p ~ 0.3 (0.033 on a difference, so 0.1 is three sd).
-    A lost skill moves far more: greedy 0.95 -> 0.55 and sampled -> 0.1 (chance)."""
+    The build calibrates its sampled skill to the recipe's label accuracy, so `expected` and `sampled` (400 prompts
+    per task) stay within 0.1 of the shipped figures: builds under default / avx2 / avx512 spread `expected` at most
+    0.063, and `sampled` adds binomial noise of sd 0.023 per build at p ~ 0.3 (0.033 on a difference, so 0.1 is three
+    sd). Greedy accuracy is not calibrated: it lands where the calibration stops, and builds spread it by 0.108
+    (arithmetic: 0.8775 shipped, 0.985 under another machine's default kernels; docs/decisions.md). So greedy has a
+    floor only, the shipped figure minus 0.1. A lost skill moves far more: greedy 0.95 -> 0.55 and sampled -> 0.1
+    (chance)."""
     shipped = tiny_ship.read_manifest(_shipped("qwen3_moe"))
     other = "avx2" if shipped["built_with"]["cpu_capability"] == "DEFAULT" else "default"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": other}
@@ -407,5 +410,9 @@ def test_a_fresh_build_on_other_kernels_reaches_the_shipped_skill(tmp_path):
     print(f"fresh ({capability}): {fresh['accuracy_by_task']}\nshipped: {shipped['accuracy_by_task']}")
     for task, accuracy in shipped["accuracy_by_task"].items():
         for figure, value in accuracy.items():
-            assert abs(fresh["accuracy_by_task"][task][figure] - value) <= 0.1, (task, figure)
+            got = fresh["accuracy_by_task"][task][figure]
+            if figure == "greedy":
+                assert got >= value - 0.1, (task, figure)
+            else:
+                assert abs(got - value) <= 0.1, (task, figure)
     assert 0 < fresh["skill_steps"] < fresh["recipe"]["steps"]
