@@ -34,6 +34,7 @@ from longstraw._cp_collectives import (
     world_size,
 )
 from longstraw.adapters import Adapter, KVState, adapter_for
+from longstraw.adapters.base import IntoBuffer
 from longstraw.adapters.qwen import _FORCE, QwenAdapter
 from longstraw.errors import LongStrawError
 
@@ -164,28 +165,12 @@ def _pages_only(q, k, v, scale, dk_acc, dv_acc, force):
 
 def _pages_as_own(q, k, v, dk_acc, dv_acc, start: int):
     """Page rows k/v [H_kv, m, D] for the kernel's own-key slot. Detached mode: the constant rows. Exact mode: the
-    same rows through `_IntoBuffer`, whose backward adds their gradient into dk/dv_acc[:, start:start+m] (the kernel
+    same rows through `IntoBuffer`, whose backward adds their gradient into dk/dv_acc[:, start:start+m] (the kernel
     fills the buffers only for its prefix slot); overlapping rows of two calls add up there."""
     if dk_acc is None or not (torch.is_grad_enabled() and q.requires_grad):
         return k, v
     m = k.shape[1]
-    return _IntoBuffer.apply(q, k, dk_acc[:, start : start + m]), _IntoBuffer.apply(q, v, dv_acc[:, start : start + m])
-
-
-class _IntoBuffer(torch.autograd.Function):
-    """Identity on constant page rows x; backward adds their gradient into `acc` and returns none. The queries are an
-    input only to put the node in the graph: it runs wherever the queries' gradient is computed, as the kernel's
-    buffer writes do (also under torch.autograd.grad over chosen inputs, which would skip a leaf's hook)."""
-
-    @staticmethod
-    def forward(ctx, anchor, x, acc):
-        ctx.acc = acc
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.acc.add_(g.to(ctx.acc.dtype))
-        return None, None, None
+    return IntoBuffer.apply(q, k, dk_acc[:, start : start + m]), IntoBuffer.apply(q, v, dv_acc[:, start : start + m])
 
 
 # -- prefix state and adapters -----------------------------------------------------------------------------------

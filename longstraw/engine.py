@@ -1,7 +1,8 @@
 """One GRPO update over a prompt and its G responses, inside a memory bound.
 
 Phases, each its own function:
-  capture   prefill prompt positions 0..P-2 in chunks, no autograd, no logits: the prefix state (K/V per layer).
+  capture   prefill prompt positions 0..P-2 in chunks, no autograd, no logits: the prefix state (per layer, by the
+            adapter's kind: K/V pages of attention layers, the recurrent boundary of linear-attention layers).
   reference with the adapter disabled, capture the prompt again and score every response, no graph (need_ref).
   replay    per micro-batch of responses, with autograd: run each [t_{P-1}, r_0 .. r_{R_i-2}] at positions
             P-1 .. P+R_i-2 against the prefix state (B rows padded to the longest, longstraw.replay), score
@@ -213,7 +214,9 @@ def _update(model, tokens_P, responses, objective, spec, adapter, capture, backw
     lengths = [int(r.shape[0]) for r in responses]
     budget, estimate = spec.replay_budget_bytes, adapter.replay_graph_bytes
     batches = plan_micro_batches(lengths, budget, estimate, adapter.batched_replay, spec.checkpoint_min_tokens)
-    prompt = adapter.with_options(on_positions=positions_hook(hooks, routes, [0]))  # prompt rows: any response's
+    # Prompt rows carry any response's routes; exact mode keeps what its prompt backward recomputes from.
+    prompt_routes = positions_hook(hooks, routes, [0])
+    prompt = adapter.with_options(on_positions=prompt_routes, keep_checkpoints=spec.mode == "exact")
     ref_logps, ref_s = _score_reference(
         model, adapter, prompt, tokens_P, responses, batches, spec, routes, hooks, clock
     )
@@ -281,7 +284,7 @@ def _score_reference(model, adapter, prompt, tokens_P, responses, batches, spec,
     t0 = clock.now()
     ref_logps = [None] * len(responses)
     with model.disable_adapter(), torch.no_grad():
-        ref_state = prompt.capture(tokens_P[:-1], spec.chunk_size)
+        ref_state = prompt.with_options(keep_checkpoints=False).capture(tokens_P[:-1], spec.chunk_size)
         for rows in batches:
             rows_adapter = adapter.with_options(on_positions=positions_hook(hooks, routes, rows))
             scored = score_responses(

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from longstraw.adapters.base import Adapter, KVState, PrefixState
+from longstraw.adapters.base import Adapter, KVState, LayeredState, PrefixState, RecurrentState
 from longstraw.adapters.glm import GlmAdapter
+from longstraw.adapters.hybrid import HybridQwenAdapter
 from longstraw.adapters.qwen import QwenAdapter
 from longstraw.errors import LongStrawError
 
@@ -19,9 +20,10 @@ ADAPTERS: dict[str, type[Adapter]] = {
     "qwen3": QwenAdapter,
     "qwen2": QwenAdapter,
     "glm4_moe": GlmAdapter,
+    **{family: HybridQwenAdapter for family in HybridQwenAdapter.families},
 }
 
-__all__ = ["ADAPTERS", "Adapter", "KVState", "PrefixState", "adapter_for"]
+__all__ = ["ADAPTERS", "Adapter", "KVState", "LayeredState", "PrefixState", "RecurrentState", "adapter_for"]
 
 
 def adapter_for(model: nn.Module) -> Adapter:

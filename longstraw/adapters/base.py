@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -65,7 +65,89 @@ class KVState:
         return KVState(torch.zeros_like(self.k_L_Hkv_S_D, dtype=dtype), torch.zeros_like(self.v_L_Hkv_S_D, dtype=dtype))
 
 
-_OPTIONS = ("kernels", "checkpoint_min_tokens", "vocab_limit", "on_positions")
+class IntoBuffer(torch.autograd.Function):
+    """Identity on a constant prefix tensor x; backward adds x's gradient into the buffer `acc` and returns none.
+    `anchor` (any tensor that requires grad) is an input only to put the node in the graph: it runs wherever x's
+    gradient is computed (also under torch.autograd.grad over chosen inputs, which would skip a leaf's hook)."""
+
+    @staticmethod
+    def forward(ctx, anchor, x, acc):
+        ctx.acc = acc
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.acc.add_(g.to(ctx.acc.dtype))
+        return None, None, None
+
+
+@dataclass
+class RecurrentState:
+    """Per linear-attention layer, the recurrent boundary state after the captured positions: s_L_H_K_V the delta
+    rule's state S [L, H_v, d_k, d_v] (fp32, as the recurrence keeps it) and window_L_C_W the causal conv's last W =
+    kernel - 1 pre-conv rows [L, conv_dim, W] (the model's dtype). Flat in the prompt length.
+
+    checkpoints: exact mode's states at the start of every capture chunk after the first (the first starts from
+    zeros), each a RecurrentState without checkpoints, kept so the prompt backward can recompute a chunk from its
+    start; chunk_size is that capture chunk. The same type holds the gradient buffer (dS, dWindow, fp32).
+    """
+
+    s_L_H_K_V: torch.Tensor
+    window_L_C_W: torch.Tensor
+    length: int
+    checkpoints: list[RecurrentState] = field(default_factory=list)
+    chunk_size: int = 0
+
+    def _tensors(self) -> list[torch.Tensor]:
+        own = [self.s_L_H_K_V, self.window_L_C_W]
+        return own + [t for c in self.checkpoints for t in c._tensors()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def storages(self) -> set[int]:
+        return {t.untyped_storage().data_ptr() for t in self._tensors()}
+
+    @classmethod
+    def zeros(cls, layers: int, heads: int, d_k: int, d_v: int, conv_dim: int, width: int, dtype, device):
+        s = torch.zeros((layers, heads, d_k, d_v), dtype=torch.float32, device=device)
+        return cls(s, torch.zeros((layers, conv_dim, width), dtype=dtype, device=device), 0)
+
+    def clone(self) -> RecurrentState:
+        return RecurrentState(self.s_L_H_K_V.clone(), self.window_L_C_W.clone(), self.length)
+
+    def zeros_like(self, dtype=torch.float32) -> RecurrentState:
+        """Zeros of the same shapes, without checkpoints: the gradient buffer (fp32), or with dtype None the state
+        of an empty prefix in the state's own dtypes."""
+        s, w = self.s_L_H_K_V, self.window_L_C_W
+        return RecurrentState(torch.zeros_like(s, dtype=dtype), torch.zeros_like(w, dtype=dtype), self.length)
+
+
+@dataclass
+class LayeredState:
+    """A prefix state made of parts keyed by layer type, for decoders that mix layer kinds (a hybrid model's K/V
+    pages of its full-attention layers next to the recurrent boundary of its linear-attention layers). Sizes,
+    storages and gradient buffers sum over the parts; each part indexes its own layers in model order."""
+
+    parts: dict[str, PrefixState]
+    length: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts.values())
+
+    def storages(self) -> set[int]:
+        return set().union(*(part.storages() for part in self.parts.values()))
+
+    def zeros_like(self, dtype=torch.float32) -> LayeredState:
+        return LayeredState({kind: part.zeros_like(dtype) for kind, part in self.parts.items()}, self.length)
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        return {kind: part.nbytes for kind, part in self.parts.items()}
+
+
+_OPTIONS = ("kernels", "checkpoint_min_tokens", "vocab_limit", "on_positions", "keep_checkpoints")
 
 
 class Adapter(ABC):
@@ -91,9 +173,12 @@ class Adapter(ABC):
     checkpoint_min_tokens = 0
     # Score only ids below this (a padded LM head's rows past the tokenizer are never sampled); None: all rows.
     vocab_limit = None
+    # The engine sets this on the adapter that captures a prompt exact mode will back-propagate through: a state
+    # that needs more than its final value for that (a recurrent layer's chunk-start checkpoints) keeps it.
+    keep_checkpoints = False
 
     def with_options(self, **options) -> Adapter:
-        """A copy with `options` (kernels, checkpoint_min_tokens, vocab_limit, on_positions) set; self is unchanged.
+        """A copy with `options` (see _OPTIONS) set; self is unchanged.
         The copy shares the model's modules: it costs a dict copy."""
         unknown = [name for name in options if name not in _OPTIONS]
         if unknown:
