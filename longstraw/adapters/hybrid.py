@@ -181,10 +181,12 @@ class HybridQwenAdapter(QwenAdapter):
 
     def replay_graph_bytes(self, rows: int, tokens: int) -> int:
         """rows x tokens x bytes per token an uncheckpointed forward saves for backward: QwenAdapter's per-token
-        widths for full layers (q doubled by the gate) and the MLPs, and for a linear layer 3 x (hidden + 2 x
-        conv_dim + 3 x H_v d_v + 4 H_v) for its projections, conv, norm and gates plus the delta rule's per-chunk
-        fp32 intermediates, 8 x H_v x 64 per token (64-token chunks of [64, 64] decay, system and attention
-        matrices). Tested against the metered bytes in tests/test_hybrid.py."""
+        widths for full layers (q doubled by the gate) and the MLPs, 3 x (hidden + 2 x conv_dim + 3 x H_v d_v + 4 H_v)
+        for a linear layer's projections, conv, norm and gates, plus what the torch delta rule saves per value head:
+        its tokens padded to whole 64-token chunks, each with ~10 fp32 [64]-wide rows (decays, the UT system, the
+        intra-chunk attention) and ~12 of width d (q, k, v and their decayed and beta-scaled copies). That padding
+        makes a short replay cost a whole chunk. flash-linear-attention (CUDA) saves less, so there the estimate is
+        conservative. Tested against the metered bytes in tests/test_hybrid.py."""
         config, hd = self.config, self.config.hidden_size
         attention = hd + (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         moe_i = getattr(config, "moe_intermediate_size", 0)
@@ -194,16 +196,18 @@ class HybridQwenAdapter(QwenAdapter):
         moe += hd + 3 * shared if shared else 0
         dense = hd + 3 * getattr(config, "intermediate_size", 0)
         size = self.decoder.embed_tokens.weight.element_size()
-        per_token = 3 * hd * size
+        padded = -(-tokens // 64) * 64
+        total = 3 * hd * size * tokens
         for kind, layer in zip(self.layer_types, self.decoder.layers, strict=True):
             mlp = moe if hasattr(layer.mlp, "experts") else dense
             if kind == FULL:
-                per_token += 3 * (attention + mlp) * size
+                total += 3 * (attention + mlp) * size * tokens
             else:
                 d = self.dims
                 width = hd + 2 * d.conv_dim + 3 * d.value_heads * d.value_dim + 4 * d.value_heads
-                per_token += 3 * (width + mlp) * size + 8 * d.value_heads * 64 * 4
-        return rows * tokens * per_token
+                total += 3 * (width + mlp) * size * tokens
+                total += d.value_heads * padded * (10 * 64 + 12 * max(d.key_dim, d.value_dim)) * 4
+        return rows * total
 
     def capture(self, tokens_S: torch.Tensor, chunk_size: int) -> LayeredState:
         s_len = tokens_S.shape[0]
