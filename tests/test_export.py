@@ -177,6 +177,46 @@ def test_glm4_moe_expert_lora_splits_per_expert_and_serves_the_same_model(random
     )
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_moe_text", "qwen3_next"])
+def test_hybrid_expert_lora_splits_per_expert_and_serves_the_same_model(family, tmp_path):
+    """Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet layers, a shared expert beside the routed ones): the fused expert
+    LoRA splits per expert exactly, folded in by name through transformers' own per-expert -> fused loader it gives
+    the trained model's logits, and vLLM, SGLang and `mint serve` get the layout the table gives them."""
+    from test_expert_lora import build_hybrid_tiny
+
+    base = build_hybrid_tiny(family, str(tmp_path / "base"))
+    _assert_split_is_exact_and_serves_the_same_model(base, tmp_path)
+    with Catalog(tmp_path / "catalog") as cat:
+        tensors, meta = cat.load(cat.latest("t").id)
+    config = AutoConfig.from_pretrained(base)
+    assert config.model_type == family
+    for engine in ("vllm", "sglang"):
+        assert engine_layout("auto", meta.lora_config, config, engine=engine) == "per-expert"
+        with pytest.raises(MintError, match=f"{engine} reads {family} expert LoRA in the per-expert layout, not peft"):
+            engine_layout("peft", meta.lora_config, config, engine=engine)
+    assert engine_layout("per-expert", meta.lora_config, config, engine="mint") == "per-expert"
+    out = write_adapter_dir(tmp_path / "engine", meta.id, tensors, meta.lora_config, {}, "per-expert", config)
+    back, _, recorded = read_adapter_dir(out, config)
+    assert recorded["id"] == meta.id and set(back) == set(tensors)
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_qwen3_5_vlm_checkpoints_are_refused_for_the_engines_in_one_line():
+    """A Qwen3.5 VLM checkpoint (model_type qwen3_5_moe / qwen3_5) is served as the engines' vision-language class,
+    whose LoRA modules sit under language_model.model.layers: Mint's adapter (keys model.layers.*, the text model it
+    trains) would load there and apply nowhere. Refused up front, with or without expert LoRA; `mint serve` runs the
+    text model Mint trained and is not refused."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+    for config in (Qwen3_5MoeConfig(), Qwen3_5Config()):
+        for engine in ("vllm", "sglang"):
+            for layout in ("auto", "peft", "per-expert"):
+                with pytest.raises(MintError, match=f"serve the text checkpoint \\({config.model_type}_text\\)") as err:
+                    engine_layout(layout, {"r": 8, "target_modules": ["q_proj"]}, config, engine=engine)
+                assert "\n" not in str(err.value)
+        assert engine_layout("auto", {"r": 8, "target_modules": ["q_proj"]}, config, engine="mint") == "peft"
+
+
 def test_engine_adapter_dirs_read_back_as_the_trained_revision(random_tiny_path, tmp_path):
     """What a rollout actor writes for its engine: the per-expert layout records the trained revision's id
     and config, and `read_adapter_dir` (what `mint serve` loads) fuses it back to the very tensors of that id; the
@@ -248,7 +288,10 @@ def test_engine_layout_per_expert_refused_where_the_split_does_not_apply():
     lora = peft_config(LoraConfig(), olmoe).to_dict()
     lora = {k: sorted(v) if isinstance(v, set) else v for k, v in lora.items()}
     assert engine_layout("auto", lora, olmoe) == "peft"
-    with pytest.raises(MintError, match="per-expert knows the layout of qwen2_moe, qwen3_moe, glm4_moe, not olmoe"):
+    with pytest.raises(
+        MintError,
+        match="per-expert knows the layout of qwen2_moe, qwen3_moe, glm4_moe, qwen3_next, qwen3_5_moe_text, not olmoe",
+    ):
         engine_layout("per-expert", lora, olmoe)
 
 

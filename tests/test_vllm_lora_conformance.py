@@ -26,6 +26,7 @@ import pytest
 import torch
 from conftest import build_random_tiny, load_fp32
 from safetensors.torch import load_file
+from test_expert_lora import build_hybrid_tiny
 from transformers import AutoConfig
 
 from mint.config import LoraConfig
@@ -43,10 +44,39 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 # transformers-v5 conversion moves gate_proj/up_proj/down_proj targets onto the fused experts (gate_up_proj at rank 2r),
 # so its dense first layer and shared experts would get none anyway; vLLM must then hold none there.
 TARGETS = {"qwen3": ATTENTION + MLP, "qwen3_moe": ATTENTION, "qwen2_moe": ATTENTION + MLP, "glm4_moe": ATTENTION}
-MOE = ("qwen3_moe", "qwen2_moe", "glm4_moe")
+# The hybrid families (built from transformers' configs, test_expert_lora.build_hybrid_tiny): LoRA on the Gated DeltaNet
+# projections too, under transformers' names, which vLLM packs (Qwen3.5: in_proj_qkv + in_proj_z -> in_proj_qkvz,
+# in_proj_b + in_proj_a -> in_proj_ba; Qwen3-Next keeps its fused names).
+GDN_35 = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+HYBRID = {
+    "qwen3_5_moe_text": ATTENTION + GDN_35,
+    "qwen3_next": [*ATTENTION, "in_proj_qkvz", "in_proj_ba", "out_proj"],
+    "qwen3_5_text": ATTENTION + GDN_35 + MLP,
+}
+TARGETS |= HYBRID
+MOE = ("qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3_next", "qwen3_5_moe_text")
 # vLLM packs q/k/v into qkv_proj and gate/up into gate_up_proj (slices in this order); other projections keep a name
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 PACKED |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+PACKED |= {"in_proj_z": ("in_proj_qkvz", 3), "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
+# vLLM's Qwen3.5 GDN in_proj_qkvz has four output slices (q, k, v, z): in_proj_qkv's B is split over the first three
+# by their sizes and its A repeated (MergedColumnParallelLinearWithLoRA.expand_packed_lora)
+# vLLM's qwen3_5.py imports its VLM module, which imports transformers' torchvision image processor only for a
+# smart_resize helper; the engine env has no torchvision (no CPU build for its torch). The subprocess aliases that
+# module to transformers' PIL image processor (the same helper), nothing else: the text model path never uses it.
+SITECUSTOMIZE = """
+import importlib, importlib.abc, importlib.util, sys
+_NAME = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+class _PilImageProcessor(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name == _NAME else None
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        pil = importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+        module.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
+sys.meta_path.insert(0, _PilImageProcessor())
+"""
 REFUSED_FUSED = "contains fused 3D MoE weights"  # vLLM's error for PEFT's fused layout on a 2-D MoE wrapper
 # A subprocess in the engine virtualenv builds each tiny base with vLLM's CPU model runner, and `make test-fast`
 # installs no engines: the full suite only. The layouts Mint writes are checked without vLLM in test_export.py.
@@ -69,7 +99,8 @@ def vllm_loads(engine_python, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("vllm_lora")
     cases, argv = {}, []
     for family in TARGETS:
-        base = build_random_tiny(family, str(root / f"{family}-base"))
+        build = build_hybrid_tiny if family in HYBRID else build_random_tiny
+        base = build(family, str(root / f"{family}-base"))
         model = _trained(base, family)
         tensors = lora_state(model)
         adapter_config = json.loads(json.dumps(adapter_config_dict(model, base)))
@@ -89,7 +120,11 @@ def vllm_loads(engine_python, tmp_path_factory) -> dict:
         cases[family].update(dirs=layouts, unwritten=unwritten)
     dumps = root / "dumps"
     dumps.mkdir()
+    shim = root / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the engine env imports its own packages only
+    env["PYTHONPATH"] = str(shim)
     proc = subprocess.run(
         [str(engine_python), str(SCRIPT), str(dumps), str(RANK), *argv],
         capture_output=True,
@@ -131,6 +166,12 @@ def _expected(tensors: dict[str, torch.Tensor], config, scale: float) -> dict[st
                 want[f"{prefix}.w2_lora_a_stacked.0"], want[f"{prefix}.w2_lora_b_stacked.0"] = a_E, b_E
             continue
         parent, name = module.rsplit(".", 1)
+        if name == "in_proj_qkv":  # Qwen3.5 GDN: q, k, v slices 0..2 of vLLM's in_proj_qkvz
+            key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+            for i, rows in enumerate(b.split([key_dim, key_dim, b.shape[0] - 2 * key_dim])):
+                want[f"{parent}.in_proj_qkvz.lora_a_stacked.{i}"] = a[None]
+                want[f"{parent}.in_proj_qkvz.lora_b_stacked.{i}"] = rows[None]
+            continue
         packed, i = PACKED.get(name, (name, 0))
         want[f"{parent}.{packed}.lora_a_stacked.{i}"] = a[None]  # linear buffers: (1, r, in) / (1, out, r)
         want[f"{parent}.{packed}.lora_b_stacked.{i}"] = b[None]

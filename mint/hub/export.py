@@ -59,29 +59,47 @@ from mint.hub.revisions import (
 FORMATS = ("peft", "per-expert", "merged")
 ENGINE_LAYOUTS = ("auto", "peft", "per-expert")  # what a rollout actor may write for its engine
 # Fused gate_up rows are [gate; up] in these (transformers computes `gate, up = linear(x, W_e).chunk(2)` in each, and
-# its checkpoint conversion maps glm4_moe's per-expert keys with qwen2_moe's pattern), so `split_experts` applies.
-PER_EXPERT_FAMILIES = ("qwen2_moe", "qwen3_moe", "glm4_moe")
+# its checkpoint conversion maps the per-expert keys of glm4_moe, qwen3_next and qwen3_5_moe_text with qwen2_moe's
+# pattern), so `split_experts` applies.
+PER_EXPERT_FAMILIES = ("qwen2_moe", "qwen3_moe", "glm4_moe", "qwen3_next", "qwen3_5_moe_text")
 _PEFT_PREFIX = "base_model.model."
 
 # The layouts each engine reads expert LoRA in, per family (model_type); the first is what `auto` writes. Read off
 # the engines' own loaders (tests/test_vllm_lora_conformance.py runs vLLM's). vLLM: a model class that leaves
 # `is_3d_moe_weight` False gets the 2-D MoE LoRA wrapper, which takes per-expert keys (experts.{e}.gate_proj, ...)
 # and refuses the fused PEFT layout (unless the server runs --enable-mixed-moe-lora-format and each load request says
-# is_3d_lora_weight, which Mint's load call does not); one that sets it True takes only the fused layout. SGLang
-# takes per-expert. `mint serve` fuses a per-expert directory back, so it reads both.
+# is_3d_lora_weight, which Mint's load call does not); one that sets it True takes only the fused layout. vLLM serves
+# a qwen3_next checkpoint as Qwen3NextForCausalLM and a qwen3_5_moe_text one as Qwen3_5MoeForCausalLM (both 2-D).
+# SGLang's loader takes per-expert keys for every FusedMoE (sglang/srt/lora/lora.py). `mint serve` fuses a per-expert
+# directory back, so it reads both.
 ENGINE_EXPERT_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm": {
         "qwen2_moe": ("per-expert",),
         "qwen3_moe": ("per-expert",),
         "glm4_moe": ("per-expert",),
-        # is_3d_moe_weight = True (Qwen3_5MoeForConditionalGeneration, Qwen3VLMoeForConditionalGeneration,
-        # GptOssForCausalLM); Mint does not train these yet, and `split_experts` would refuse them anyway
-        "qwen3_5_moe": ("peft",),
+        "qwen3_next": ("per-expert",),
+        "qwen3_5_moe_text": ("per-expert",),
+        # is_3d_moe_weight = True (Qwen3VLMoeForConditionalGeneration, GptOssForCausalLM); Mint does not train these
+        # yet, and `split_experts` would refuse them anyway
         "qwen3_vl_moe": ("peft",),
         "gpt_oss": ("peft",),
     },
-    "sglang": {"qwen2_moe": ("per-expert",), "qwen3_moe": ("per-expert",), "glm4_moe": ("per-expert",)},
+    "sglang": {family: ("per-expert",) for family in PER_EXPERT_FAMILIES},
     "mint": {family: ("peft", "per-expert") for family in PER_EXPERT_FAMILIES},  # `mint serve`
+}
+
+# Families an engine is handed no adapter for at all, LoRA on experts or not, with the reason in one line. A Qwen3.5
+# VLM checkpoint (model_type qwen3_5_moe / qwen3_5) is served as Qwen3_5{Moe}ForConditionalGeneration, whose LoRA
+# modules live under language_model.model.layers and whose name mapper rewrites only model.language_model.*; Mint
+# trains transformers' Qwen3_5{Moe}ForCausalLM (adapter keys model.layers.*), whose names that class would match by
+# suffix at load and then find no module for: the adapter would load and do nothing.
+ENGINE_REFUSED_FAMILIES: dict[str, dict[str, str]] = {
+    engine: {
+        vlm: f"{engine} serves a {vlm} checkpoint as its vision-language class, which would not apply LoRA trained on "
+        f"the text model (keys model.layers.*); serve the text checkpoint ({vlm}_text)"
+        for vlm in ("qwen3_5_moe", "qwen3_5")
+    }
+    for engine in ("vllm", "sglang")
 }
 
 
@@ -285,6 +303,7 @@ def engine_layout(requested: str, adapter_config: dict, base_config, engine: str
     """The layout of the adapter directory `engine` ("vllm", "sglang" or "mint", the `mint serve` server) is handed:
     "peft" (as trained) or "per-expert".
 
+    A family the engine cannot apply Mint's LoRA on at all (`ENGINE_REFUSED_FAMILIES`) is refused in one line first.
     Without LoRA on fused experts both layouts hold the same keys: auto gives peft, and either request stands. With
     it, auto gives what `ENGINE_EXPERT_LAYOUTS` says the engine reads for the base's family (peft for a family not in
     the table: the trained layout, which `mint serve` reads), and an explicit layout that engine does not read, or a
@@ -294,6 +313,9 @@ def engine_layout(requested: str, adapter_config: dict, base_config, engine: str
         raise MintError(f"adapter layout {requested!r} is not one of {', '.join(ENGINE_LAYOUTS)}")
     if engine not in ENGINE_EXPERT_LAYOUTS:
         raise MintError(f"engine {engine!r} is not one of {', '.join(ENGINE_EXPERT_LAYOUTS)}")
+    refused = ENGINE_REFUSED_FAMILIES.get(engine, {}).get(getattr(base_config, "model_type", ""))
+    if refused:
+        raise MintError(refused)
     if not expert_loras(base_config, adapter_config):
         return "peft" if requested == "auto" else requested
     family = getattr(base_config, "model_type", "")
