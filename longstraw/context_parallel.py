@@ -35,10 +35,12 @@ from longstraw._cp_collectives import (
 )
 from longstraw.adapters import Adapter, KVState, adapter_for
 from longstraw.adapters.base import IntoBuffer
+from longstraw.adapters.hybrid import HybridQwenAdapter
 from longstraw.adapters.qwen import _FORCE, QwenAdapter
 from longstraw.errors import LongStrawError
 
 __all__ = [
+    "CPHybridQwenAdapter",
     "CPKVState",
     "CPQwenAdapter",
     "ContextParallel",
@@ -303,6 +305,51 @@ class CPQwenAdapter(ContextParallel, QwenAdapter):
         self.group = group
 
 
+class CPHybridQwenAdapter(ContextParallel, HybridQwenAdapter):
+    """HybridQwenAdapter with its full layers' K/V pages split over `group` as above. The linear layers' recurrent
+    boundary is replicated: every rank already runs every chunk and every replay with the whole decoder, so each one
+    computes the same S and window (flat in P, ~61 MiB at Qwen3.5-35B-A3B) itself, and in exact mode carries the
+    same dS back (a replicated tensor gets the full gradient on every rank). Handing boundary states rank to rank
+    would only pay if ranks ran different chunks, which this layout never does (docs/decisions.md)."""
+
+    capture = HybridQwenAdapter.capture
+    backward_prompt = HybridQwenAdapter.backward_prompt
+    _prefixes = HybridQwenAdapter._prefixes
+
+    def _new_pages(self, length: int) -> CPKVState:
+        ranks = world_size(self.group)
+        lo, hi = page_bounds(length, ranks)[rank(self.group) : rank(self.group) + 2]
+        weight = self.decoder.embed_tokens.weight
+        local = KVState.empty(self.num_full, self.num_kv_heads, hi - lo, self.head_dim, weight.dtype, weight.device)
+        return CPKVState(local, lo, length, ranks)
+
+    def _page_prefix(self, pages: CPKVState, j: int, length: int, grad_pages: CPKVState | None) -> CPPrefix:
+        n = max(0, min(pages.lo + pages.local.length, length) - pages.lo)
+        include_own = rank(self.group) == own_rank(length, pages.total, pages.ranks)
+        gk = gv = None
+        if grad_pages is not None:
+            gk, gv = grad_pages.local.k_L_Hkv_S_D[j, :, :n], grad_pages.local.v_L_Hkv_S_D[j, :, :n]
+        return CPPrefix(pages.local.k_L_Hkv_S_D[j, :, :n], pages.local.v_L_Hkv_S_D[j, :, :n], gk, gv, include_own)
+
+    def _store_pages(self, pages: CPKVState, j: int, start: int, end: int, k, v) -> None:
+        lo = pages.lo
+        a, b = max(start, lo), min(end, lo + pages.local.length)
+        if a < b:
+            pages.local.k_L_Hkv_S_D[j, :, a - lo : b - lo] = k[:, a - start : b - start]
+            pages.local.v_L_Hkv_S_D[j, :, a - lo : b - lo] = v[:, a - start : b - start]
+
+    def _chunk_page_grads(self, grad_pages: CPKVState, start: int, end: int):
+        """The chunk's dK/dV rows live on their owners: one all-reduce gives every rank all of them."""
+        local, lo = grad_pages.local, grad_pages.lo
+        g = local.k_L_Hkv_S_D.new_zeros((2, self.num_full, self.num_kv_heads, end - start, self.head_dim))
+        a, b = max(start, lo), min(end, lo + local.length)
+        if a < b:
+            g[0, :, :, a - start : b - start] = local.k_L_Hkv_S_D[:, :, a - lo : b - lo]
+            g[1, :, :, a - start : b - start] = local.v_L_Hkv_S_D[:, :, a - lo : b - lo]
+        all_reduce_(g, "sum", self.group)
+        return g[0], g[1]
+
+
 def as_context_parallel(adapter: Adapter, group=None) -> Adapter:
     """The context-parallel twin of a QwenAdapter-family adapter (QwenAdapter, GlmAdapter): same modules and
     settings (shared, not copied), pages split over `group`."""
@@ -327,7 +374,7 @@ def capture_cp(adapter: Adapter, tokens_S: torch.Tensor, chunk_size: int, group=
     return as_context_parallel(adapter, group).capture(tokens_S, chunk_size)
 
 
-_CP_CLASSES: dict[type, type] = {QwenAdapter: CPQwenAdapter}
+_CP_CLASSES: dict[type, type] = {QwenAdapter: CPQwenAdapter, HybridQwenAdapter: CPHybridQwenAdapter}
 
 
 def _cp_class(cls: type) -> type:

@@ -259,3 +259,41 @@ def test_longstraw_cp_equals_single_rank(family, mode, world, tmp_path):
     QwenAdapter-family adapter."""
     path = build_random_tiny(family, str(tmp_path / "model"))
     _spawn(_longstraw_worker, world, tmp_path, path, mode)
+
+
+def _hybrid_worker(rank: int, world: int, path: str, mode: str) -> None:
+    from longstraw.adapters.hybrid import FULL, LINEAR
+
+    model = lora_model(path)
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    tokens_P = torch.randint(0, vocab, (P,), generator=gen)
+    responses = [torch.randint(0, vocab, (r,), generator=gen) for r in LENGTHS]
+    spec = UpdateSpec(mode=mode, chunk_size=CHUNK, temperature=TEMPERATURE, need_ref=True, checkpoint_min_tokens=4)
+    want_logps, want_grads, want_metrics = _run(model, tokens_P, responses, spec)
+    logps, grads, metrics = _run(model, tokens_P, responses, spec, cp_adapter_for(model))
+    label = f"hybrid {mode} C={world} rank={rank}"
+    for got, want in zip(logps, want_logps, strict=True):
+        _close(got, want, f"{label} logp")
+    assert grads.keys() == want_grads.keys() and any("experts" in n for n in grads)
+    for name in want_grads:
+        _close(grads[name], want_grads[name], f"{label} {name}", atol=1e-5, rtol=1e-4)
+    # This rank's pages of the full layers, and the whole (replicated) recurrent boundary.
+    state = cp_adapter_for(model).capture(tokens_P[:-1], CHUNK)
+    full = adapter_for(model).capture(tokens_P[:-1], CHUNK)
+    lo, hi = page_bounds(P - 1, world)[rank : rank + 2]
+    _close(state.parts[FULL].local.k_L_Hkv_S_D, full.parts[FULL].k_L_Hkv_S_D[:, :, lo:hi], f"{label} pages")
+    _close(state.parts[LINEAR].s_L_H_K_V, full.parts[LINEAR].s_L_H_K_V, f"{label} boundary")
+    pages = full.parts[FULL].nbytes * (hi - lo) // (P - 1)
+    assert state.nbytes == pages + full.parts[LINEAR].nbytes
+    if mode == "exact":
+        assert metrics.prefix_bytes < want_metrics.prefix_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, mode", [("qwen3_5_moe", "exact"), ("qwen3_next", "detached")])
+def test_longstraw_cp_on_a_hybrid_base_equals_single_rank(family, mode, tmp_path):
+    """Qwen3.5-MoE / Qwen3-Next with CP=2: the full layers' pages split over the ranks, the Gated DeltaNet boundary
+    replicated and carried back through the prompt on every rank; logprobs and LoRA gradients equal one rank's."""
+    path = build_random_tiny(family, str(tmp_path / "model"))
+    _spawn(_hybrid_worker, 2, tmp_path, path, mode)

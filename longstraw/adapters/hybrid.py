@@ -132,13 +132,33 @@ class HybridQwenAdapter(QwenAdapter):
 
     # -- state ---------------------------------------------------------------------------------------------------
 
+    # K/V pages of the full layers: the context-parallel twin (longstraw.context_parallel) overrides these four.
+
+    def _new_pages(self, length: int):
+        weight = self.decoder.embed_tokens.weight
+        return KVState.empty(self.num_full, self.num_kv_heads, length, self.head_dim, weight.dtype, weight.device)
+
+    def _page_prefix(self, pages, j: int, length: int, grad_pages):
+        """Full layer j's view of positions < length, with its dK/dV buffers in exact mode."""
+        gk = gv = None
+        if grad_pages is not None:
+            gk, gv = grad_pages.k_L_Hkv_S_D[j, :, :length], grad_pages.v_L_Hkv_S_D[j, :, :length]
+        return KVPrefix(pages.k_L_Hkv_S_D[j, :, :length], pages.v_L_Hkv_S_D[j, :, :length], gk, gv)
+
+    def _store_pages(self, pages, j: int, start: int, end: int, k, v) -> None:
+        pages.k_L_Hkv_S_D[j, :, start:end] = k
+        pages.v_L_Hkv_S_D[j, :, start:end] = v
+
+    def _chunk_page_grads(self, grad_pages, start: int, end: int):
+        """dK, dV [L_full, H_kv, end - start, D] of a prompt chunk's rows, complete: every reader of them (later
+        chunks, the responses) has run its backward."""
+        return grad_pages.k_L_Hkv_S_D[:, :, start:end], grad_pages.v_L_Hkv_S_D[:, :, start:end]
+
     def _empty_state(self, length: int) -> LayeredState:
         weight = self.decoder.embed_tokens.weight
         parts = {}
         if self.num_full:
-            parts[FULL] = KVState.empty(
-                self.num_full, self.num_kv_heads, length, self.head_dim, weight.dtype, weight.device
-            )
+            parts[FULL] = self._new_pages(length)
         if self.num_linear:
             d = self.dims
             parts[LINEAR] = RecurrentState.zeros(
@@ -156,10 +176,7 @@ class HybridQwenAdapter(QwenAdapter):
         out = []
         for kind, j in zip(self.layer_types, self.part_index, strict=True):
             if kind == FULL:
-                gk = gv = None
-                if grad_pages is not None:
-                    gk, gv = grad_pages.k_L_Hkv_S_D[j, :, :length], grad_pages.v_L_Hkv_S_D[j, :, :length]
-                out.append(KVPrefix(pages.k_L_Hkv_S_D[j, :, :length], pages.v_L_Hkv_S_D[j, :, :length], gk, gv))
+                out.append(self._page_prefix(pages, j, length, grad_pages))
             else:
                 gs = gw = None
                 if carry is not None:
@@ -171,8 +188,7 @@ class HybridQwenAdapter(QwenAdapter):
         """Write a chunk's K/V into the pages and the state after it into the boundary."""
         for (kind, j), (a, b) in zip(self._slots(), outs, strict=True):
             if kind == FULL:
-                state.parts[FULL].k_L_Hkv_S_D[j, :, start:end] = a
-                state.parts[FULL].v_L_Hkv_S_D[j, :, start:end] = b
+                self._store_pages(state.parts[FULL], j, start, end, a, b)
             else:
                 state.parts[LINEAR].s_L_H_K_V[j] = a
                 state.parts[LINEAR].window_L_C_W[j] = b
@@ -251,6 +267,7 @@ class HybridQwenAdapter(QwenAdapter):
             if boundary is not None:  # the first chunk starts from zeros, whose gradient nothing needs
                 recurrent = boundary.checkpoints[c - 1] if c else boundary.zeros_like(None)
                 carry = d_state.zeros_like() if c else None
+            pages = self._chunk_page_grads(grad.parts[FULL], start, end) if FULL in grad.parts else None
             chunk_meter = meter() if meter is not None else nullcontext()
             with torch.enable_grad(), chunk_meter:
                 prefixes = self._prefixes(state, start, grad, recurrent, carry)
@@ -260,8 +277,7 @@ class HybridQwenAdapter(QwenAdapter):
             outputs, grads = [], []
             for (kind, j), (a, b) in zip(self._slots(), outs, strict=True):
                 if kind == FULL:
-                    pages = grad.parts[FULL]
-                    pairs = ((a, pages.k_L_Hkv_S_D[j, :, start:end]), (b, pages.v_L_Hkv_S_D[j, :, start:end]))
+                    pairs = ((a, pages[0][j]), (b, pages[1][j]))
                 else:
                     pairs = ((a, d_state.s_L_H_K_V[j]), (b, d_state.window_L_C_W[j]))
                 for out, g in pairs:
