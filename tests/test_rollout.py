@@ -1,4 +1,5 @@
-"""The rollout engine and route recording on real tiny MoE models (both families), against independent references.
+"""The rollout engine and route recording on real tiny MoE models (both families) and on the hybrid linear-attention
+families (Qwen3.5-MoE, Qwen3-Next, dense Qwen3.5), against independent references.
 
 References: HF `generate` for greedy tokens, a fresh full forward over prompt + response for logprobs and routes, each
 group decoded alone for the all-groups decode batch, and the exact tempered/top-p distribution for the
@@ -8,6 +9,7 @@ sampler.
 from __future__ import annotations
 
 import pickle
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -56,11 +58,12 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id: int |
     return out[0, len(prompt) :].tolist()
 
 
-def full_forward(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits [T, V] and routes [T, L, k] of one uncached forward over `tokens` [T]."""
-    with torch.inference_mode(), RouteRecorder(model) as recorder:
+def full_forward(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits [T, V] and routes [T, L, k] (None for a dense model) of one uncached forward over `tokens` [T]."""
+    recording = RouteRecorder(model) if moe_layout(model.config) is not None else nullcontext()
+    with torch.inference_mode(), recording as recorder:
         logits_T_V = model(input_ids=tokens[None], use_cache=False).logits[0]
-        routes_T_L_K = recorder.pop()
+        routes_T_L_K = None if recorder is None else recorder.pop()
     return logits_T_V, routes_T_L_K
 
 
@@ -76,6 +79,9 @@ def assert_matches_full_forward(model, group: GroupRollout, temperature: float) 
         # Logits at position P-1+j predict response token j.
         expected_R = token_logprobs(logits_T_V[num_prompt - 1 : num_prompt - 1 + num_resp], tokens_R, temperature)
         torch.testing.assert_close(completion.logprobs_R, expected_R, atol=1e-5, rtol=0)
+        if layout is None:  # a dense model records no routes
+            assert completion.routes_R_L_K is None and group.prompt_routes_P1_L_K is None
+            continue
         # Routes of prompt + response[:-1] (the learner's inputs); the last response token is never fed.
         assert completion.routes_R_L_K.shape == (num_resp, layout.num_layers, layout.top_k)
         assert completion.routes_R_L_K.dtype == torch.uint8
@@ -416,9 +422,13 @@ def test_sampler_draws_the_tempered_nucleus(temperature, top_p):
 
 
 def test_kv_slab_refuses_what_it_cannot_hold():
-    with pytest.raises(MintError, match="full-attention layers only"):
+    with pytest.raises(MintError, match=r"supports full-attention layers.*sliding_attention"):
         config = tiny_config("qwen2_moe", 97, use_sliding_window=True, sliding_window=8, max_window_layers=2)
         KVSlab(config, rows=2, capacity=8)
+    with pytest.raises(MintError, match=r"supports full-attention layers.*\['linear_attention'\]"):
+        KVSlab(tiny_config("qwen3_5_moe", 97, layer_types=["linear_attention"] * 4), rows=2, capacity=8)
+    hybrid = KVSlab(tiny_config("qwen3_5_moe", 97), rows=2, capacity=8)
+    assert [type(layer).__name__ for layer in hybrid.layers] == ["_SlabLinearLayer"] * 3 + ["_SlabLayer"]
     slab = KVSlab(tiny_config("qwen3_moe", 97), rows=2, capacity=4)
     layer = slab.layers[0]
     keys, values = layer.update(torch.ones(2, 2, 3, 16), torch.ones(2, 2, 3, 16))

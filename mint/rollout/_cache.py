@@ -14,14 +14,26 @@ Layout (shared by every row of the decode batch):
 
 All rows advance together, so one integer `length` per layer is the whole bookkeeping and transformers' mask builder
 sizes its masks from it (`get_mask_sizes`). Rows can leave the batch (`batch_select_indices`, one copy of the kept
-rows); rows never join. Only full-attention layers are supported: a sliding-window or linear-attention layer would
-need its own slab logic, and `KVSlab` refuses such a config by name.
+rows); rows never join.
+
+A linear-attention layer (the Gated DeltaNet layers of Qwen3.5 / Qwen3-Next, `config.layer_types`) has no columns:
+it keeps a fixed-size state per row, preallocated for the B rows by `_SlabLinearLayer` (transformers'
+`LinearAttentionLayer`, so the model reads and writes it through the same Cache calls as its own cache):
+
+    conv state       [B, conv_dim, K]        the last K inputs of the causal conv (HF's width: the decode kernel
+                                             concatenates the new column, convolves, and keeps the last K again)
+    recurrent state  [B, H_v, d_k, d_v]      the delta-rule state, fp32 as the model returns it
+
+The prefill's states are copied into every row that samples that prompt. Left padding needs no column bookkeeping
+here: the model zeroes padded inputs before these layers, so a state stays exactly zero through a row's pads. Each
+decode step updates both states in place (one copy each, as HF's own cache). Sliding-window and other layer types
+would need their own slab logic, and `KVSlab` refuses such a config by name.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer, get_layer_types_and_kwargs
 
 from mint.errors import MintError
 
@@ -93,17 +105,56 @@ class _SlabLayer(CacheLayerMixin):
         self.keys, self.values, self.rows = kept_k, kept_v, int(indices.numel())
 
 
+class _SlabLinearLayer(LinearAttentionLayer):
+    """One linear-attention layer's per-row states, conv `[B, conv_dim, K]` and recurrent `[B, H_v, d_k, d_v]`;
+    allocated at the first `write_rows` (shapes past the row, dtypes and device come from the prefill's states).
+
+    The decode runs transformers' own `LinearAttentionLayer` paths on these tensors: the model's single-token conv
+    update writes `conv_states[0]` in place, and `update_recurrent_state` copies the new state into
+    `recurrent_states[0]`. A forward whose batch is not the slab's rows fails in the conv's concatenation here, and
+    in every full-attention layer's `update` (every hybrid has one)."""
+
+    def __init__(self, rows: int):
+        super().__init__(number_of_states=1)
+        self.rows = rows
+
+    def write_rows(self, conv_S_C_K, recurrent_S_H_K_V, rows_R, source_R) -> None:
+        """Copy prefill states into the slab: slab row rows_R[i] gets source row source_R[i] of both states."""
+        if not self.is_conv_states_initialized[0]:
+            # Expanded views: lazy_initialization reads only their shape, dtype and device, and allocates zeros.
+            self.lazy_initialization(
+                conv_states=conv_S_C_K[:1].expand(self.rows, *conv_S_C_K.shape[1:]),
+                recurrent_states=recurrent_S_H_K_V[:1].expand(self.rows, *recurrent_S_H_K_V.shape[1:]),
+                conv_kernel_size=conv_S_C_K.shape[-1],
+            )
+        self.conv_states[0][rows_R] = conv_S_C_K[source_R]
+        self.recurrent_states[0][rows_R] = recurrent_S_H_K_V[source_R]
+        self.has_previous_state[0] = True
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only slab rows `indices` (one copy of those rows' states)."""
+        if self.is_conv_states_initialized[0]:
+            self.conv_states[0] = self.conv_states[0][indices]
+            self.recurrent_states[0] = self.recurrent_states[0][indices]
+        self.rows = int(indices.numel())
+
+
 class KVSlab(Cache):
-    """A preallocated KV cache for `rows` sequences of at most `capacity` columns, for every layer of `config`."""
+    """A preallocated cache for `rows` sequences of at most `capacity` columns, for every layer of `config`: a K/V
+    slab per full-attention layer, per-row states per linear-attention layer."""
 
     def __init__(self, config, rows: int, capacity: int):
         layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-        other = sorted({t for t in layer_types if t != "full_attention"})
-        if other:
+        other = sorted(set(layer_types) - {"full_attention", "linear_attention"})
+        if other or "full_attention" not in layer_types:
             raise MintError(
-                f"rollout: the built-in engine's KV cache supports full-attention layers only; this model has {other}"
+                "rollout: the built-in engine's KV cache supports full-attention layers, optionally interleaved with "
+                f"linear-attention layers; this model has {sorted(set(layer_types))}"
             )
-        super().__init__(layers=[_SlabLayer(rows, capacity) for _ in layer_types])
+        layers = [
+            _SlabLinearLayer(rows) if t == "linear_attention" else _SlabLayer(rows, capacity) for t in layer_types
+        ]
+        super().__init__(layers=layers)
 
     @property
     def rows(self) -> int:
@@ -114,11 +165,16 @@ class KVSlab(Cache):
         if len(prefill.layers) != len(self.layers):
             raise MintError(f"rollout KV cache: prefill has {len(prefill.layers)} layers, the slab {len(self.layers)}")
         for slab, layer in zip(self.layers, prefill.layers, strict=True):
-            slab.write_rows(layer.keys, layer.values, rows_R, source_R, column)
+            if isinstance(slab, _SlabLinearLayer):
+                slab.write_rows(layer.conv_states[0], layer.recurrent_states[0], rows_R, source_R)
+            else:
+                slab.write_rows(layer.keys, layer.values, rows_R, source_R, column)
 
     def set_length(self, length: int) -> None:
         """Mark columns 0 .. length-1 as written (after `write_prefill` filled the prompt columns)."""
         for layer in self.layers:
+            if isinstance(layer, _SlabLinearLayer):
+                continue  # no columns: its state is the whole prompt's
             if length > layer.capacity:
                 raise MintError(f"rollout KV cache: length {length} exceeds the capacity {layer.capacity}")
             layer.length = length

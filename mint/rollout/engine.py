@@ -6,13 +6,13 @@ picklable `GroupRollout`s (they cross Ray).
 
 Phases (STYLE 6), for `generate(prompts, G, params, seed)` with B = len(prompts) x G rows, group-major:
     layout   the distinct prompts (a prompt given twice is prefilled once), P_max, and which prompt each row decodes;
-             one `KVSlab` (mint/rollout/_cache.py) of B rows x (P_max + max_tokens - 1) columns per layer is
-             allocated up front and written in place: no per-step concatenation, no per-group cache copies (a
-             step whose slab would pass `max_batch_tokens` slots runs as several such batches, one after the other,
-             groups of similar prompt length together)
+             one `KVSlab` (mint/rollout/_cache.py) of B rows x (P_max + max_tokens - 1) columns per attention layer
+             (a linear-attention layer: a fixed-size state per row) is allocated up front and written in place: no
+             per-step concatenation, no per-group cache copies (a step whose slab would pass `max_batch_tokens` slots
+             runs as several such batches, one after the other, groups of similar prompt length together)
     prefill  the distinct prompts, shortest first, in left-padded batches of at most `prefill_tokens` padded tokens
-             (P token-forwards per prompt, not G x P); each batch's K/V is copied right-aligned into the slab rows
-             of every group that samples that prompt
+             (P token-forwards per prompt, not G x P); each batch's K/V is copied right-aligned (its linear-attention
+             states as they are) into the slab rows of every group that samples that prompt
     decode   one forward of [B, 1] per step for every row of every group: a left-padded row is masked up to its
              prompt and fed its own positions (P_b + j). A group leaves the batch once all its G rows are done; the
              slab is compacted (one copy of the kept rows) when finished groups hold a quarter of its rows
