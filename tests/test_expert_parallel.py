@@ -284,6 +284,25 @@ def _ep_model_rank(rank, world, path, state, replay_routes):
 def test_ep_model_logits_and_lora_gradients_equal_one_rank(tmp_path, tiny_path, adapter_state, world, replay_routes):
     """EP over 2 and 4 ranks (1 expert each) against the single-rank factored model run on every rank's batch;
     with replay_routes the R3 routes use experts 0 and 1 only, so on 2 ranks rank 1 receives no rows."""
+    _assert_ep_equals_one_rank(tmp_path, tiny_path, adapter_state, world, replay_routes)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_ep_on_a_hybrid_base_equals_one_rank(tmp_path, family):
+    """The same on Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet layers, a sigmoid-gated shared expert beside the
+    routed ones), EP=2 with the R3 routes replayed."""
+    from conftest import build_random_tiny
+
+    from mint.models.lora import lora_state
+
+    path = build_random_tiny(family, str(tmp_path / "base"))
+    gen = torch.Generator().manual_seed(3)
+    state = {k: torch.randn(v.shape, generator=gen) * 0.05 if "lora_B" in k else v
+             for k, v in sorted(lora_state(_model(path)).items())}  # fmt: skip
+    _assert_ep_equals_one_rank(tmp_path, path, state, 2, True)
+
+
+def _assert_ep_equals_one_rank(tmp_path, tiny_path, adapter_state, world, replay_routes):
     from mint.models.lora import lora_state
 
     results = run_ranks(tmp_path, world, _ep_model_rank, tiny_path, adapter_state, replay_routes)
@@ -292,7 +311,8 @@ def test_ep_model_logits_and_lora_gradients_equal_one_rank(tmp_path, tiny_path, 
     # eps * max|value| * sqrt(terms) (conftest.sum_atol), terms = the forward's and the backward's chains (the layers
     # times the widest reduction, each way) plus the tokens a gradient sums. Measured: at most 3.9 eps * max|value|.
     c = model.config
-    widest = max(c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size, c.moe_intermediate_size)
+    widest = max(c.hidden_size, c.num_attention_heads * c.head_dim, getattr(c, "intermediate_size", 0) or 0,
+                 c.moe_intermediate_size)  # fmt: skip
     tokens = sum(SHAPES[r][0] * SHAPES[r][1] for r in range(world))
     terms = 2 * c.num_hidden_layers * widest + tokens
 
