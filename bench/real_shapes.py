@@ -4,6 +4,7 @@ Usage:
     python bench/real_shapes.py                                  # Qwen3-30B-A3B dims, 2 layers, P=1024, G=4, R=64
     python bench/real_shapes.py --prompt-len 4096                # only the naive full-sequence step vs exact (C=256)
     python bench/real_shapes.py --shape glm45_air --layers 1
+    python bench/real_shapes.py --shape qwen35_35b_a3b --save    # a hybrid: one Gated DeltaNet + one full layer
 
 Each configuration runs in a fresh process (as bench/longstraw_memory.py does; MALLOC_MMAP_THRESHOLD_=65536 on CPU):
   equality      the same model and LoRA (lora_B ~ N(0, 0.02), so the update is not zero) through PEFT's
@@ -18,6 +19,21 @@ Each configuration runs in a fresh process (as bench/longstraw_memory.py does; M
 Saved bytes are measured with saved-tensor hooks (longstraw.memory.GraphMeter); peaks with PeakMeter (RSS above a
 baseline taken after the model is built). Per-layer figures divide by --layers; `mint plan` multiplies them by the
 real layer count (mint/models/measured/<shape>.json is written with --save).
+
+Hybrid shapes (Qwen3.5-MoE, Qwen3-Next) run one configuration, `hybrid`, in its own process: the model is built with
+--layers decoder layers (n - 1 Gated DeltaNet, then one gated full-attention layer; transformers' own classes, real
+dims, random bf16 weights, LoRA r on q/k/v/o of the full layer and on the fused experts, factored) and a small vocab
+(the per-layer figures never touch the embedding or the head). It measures, per layer kind:
+  weights       parameter bytes of one decoder layer (base and LoRA)
+  boundary      a real captured state: the model runs the P-token prompt with transformers' cache, and the state a
+                linear layer hands on (S [H_v, d_k, d_v], the conv window) and a full layer's K/V are read from it;
+                the kept boundary is S in fp32 + the last K - 1 pre-conv rows in the model dtype, as real tensors
+  replay        bytes saved for backward per token by one decoder layer on R response tokens (saved-tensor hooks,
+                weights excluded), plain and checkpointed; the full layer attends over the response tokens only (the
+                prefix pages go through LongStraw's prefix attention, whose saved bytes do not grow with P)
+  chunk         the same checkpointed over a C-token prompt chunk (exact mode's prompt backward)
+  chunk peak    tensor peak (TensorPeak) of one layer's forward + backward over C tokens: the recompute of one
+                chunk's layer in the prompt backward, the working buffers `mint plan` adds
 The last line printed is one JSON object.
 """
 
@@ -177,8 +193,97 @@ def worker_naive(args, tensors: bool) -> dict:
     return {"peak_bytes": meter.peak(), "seconds": round(time.perf_counter() - t0, 1), **meter.report()}
 
 
+def build_hybrid(args):
+    """The hybrid model with --layers layers of the real dims, a 512-token vocab and factored LoRA."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from mint.config import LoraConfig
+    from mint.models.lora import add_lora
+    from mint.models.shapes import layer_config, shape
+
+    torch.manual_seed(0)
+    small_vocab = dataclasses.replace(shape(args.shape), vocab=512)
+    cfg = layer_config(small_vocab, args.layers, max_positions=args.prompt_len + args.response_len + 16)
+    base = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval().requires_grad_(False)
+    return add_lora(base, LoraConfig(rank=args.rank, alpha=2.0 * args.rank), seed=0)
+
+
+def worker_hybrid(args) -> dict:
+    """Per-layer figures of a hybrid's two layer kinds, and its boundary state from a real capture."""
+    from torch.utils.checkpoint import checkpoint
+
+    from longstraw.memory import GraphMeter, TensorPeak, module_storages
+
+    model = build_hybrid(args)
+    inner = model.get_base_model().model
+    cfg = inner.config
+    weights = module_storages(model)
+    kinds = cfg.layer_types
+    out: dict = {"layer_types": kinds}
+    for i in (kinds.index("linear_attention"), kinds.index("full_attention")):
+        kind = "linear" if kinds[i] == "linear_attention" else "full"
+        params = list(inner.layers[i].named_parameters())
+        out[f"{kind}_weight_bytes"] = sum(p.nbytes for n, p in params if "lora_" not in n)
+        out[f"{kind}_lora_params"] = sum(p.numel() for n, p in params if "lora_" in n)
+
+    # Capture: the prompt through transformers' cache, no graph; read the state each layer kind hands on.
+    tokens_P = torch.randint(0, cfg.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = model(input_ids=tokens_P, use_cache=True).past_key_values
+    lin, full = kinds.index("linear_attention"), kinds.index("full_attention")
+    state_HKV = cache.layers[lin].recurrent_states[0]  # [1, H_v, d_k, d_v]
+    conv_CK = cache.layers[lin].conv_states[0]  # [1, conv_dim, window] pre-conv rows, model dtype
+    K = cfg.linear_conv_kernel_dim
+    boundary = [state_HKV.float().contiguous(), conv_CK[..., -(K - 1) :].contiguous()]  # what LongStraw keeps
+    keys, values = cache.layers[full].keys, cache.layers[full].values  # [1, kv_heads, P, head_dim]
+    out.update(
+        captured_state_shape=list(state_HKV.shape),
+        captured_state_dtype=str(state_HKV.dtype),
+        captured_conv_shape=list(conv_CK.shape),
+        captured_conv_dtype=str(conv_CK.dtype),
+        boundary_state_bytes_per_linear_layer=sum(t.nbytes for t in boundary),
+        kv_bytes_per_token_full_layer=(keys.nbytes + values.nbytes) / args.prompt_len,
+        kv_shape=list(keys.shape),
+    )
+    del cache, keys, values
+
+    def run_layer(i, x, position_ids):
+        layer = inner.layers[i]
+        pos = inner.rotary_emb(x, position_ids)
+        return layer(x, position_embeddings=pos, position_ids=position_ids, attention_mask=None)
+
+    def layer_fn(i, n, start):
+        position_ids = torch.arange(start, start + n)[None]
+        return lambda x: run_layer(i, x, position_ids)
+
+    gen = torch.Generator().manual_seed(4)
+    for i, kind in ((lin, "linear"), (full, "full")):
+        for name, n in (("replay", args.response_len), ("chunk", min(args.chunk, args.prompt_len))):
+            x = torch.randn(1, n, cfg.hidden_size, generator=gen).to(torch.bfloat16).requires_grad_(True)
+            f = layer_fn(i, n, args.prompt_len)
+            if name == "replay":
+                with GraphMeter(weights) as meter:
+                    y = f(x)
+                out[f"{kind}_replay_saved_bytes_per_token"] = meter.nbytes / n
+                del y
+            with GraphMeter(weights) as meter:
+                y = checkpoint(f, x, use_reentrant=False)
+            out[f"{kind}_ckpt_{name}_saved_bytes_per_token"] = meter.nbytes / n
+            del y
+        x = torch.randn(1, n, cfg.hidden_size, generator=gen).to(torch.bfloat16).requires_grad_(True)
+        with TensorPeak() as peak:
+            f(x).float().square().mean().backward()
+        out[f"{kind}_chunk_layer_peak_bytes"] = peak.nbytes
+        model.zero_grad(set_to_none=True)
+    return out
+
+
 def worker(args) -> dict:
     torch.set_num_threads(args.threads)
+    if args.worker == "hybrid":
+        return worker_hybrid(args)
     if args.worker == "equality":
         return worker_equality(args)
     name, _, meter = args.worker.partition(":")  # "<config>:tensors" measures the tensor peak (TensorPeak) instead
@@ -208,6 +313,10 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args)))
         return
+    from mint.models.shapes import shape
+
+    if shape(args.shape).hybrid:
+        return hybrid_main(args)
     configs = args.configs.split(",") if args.configs else ["equality", "materialized", "factored", "factored_ckpt"]
     if not args.configs and args.prompt_len >= 2048:
         # The long-prompt comparison only, by RSS and by tensor bytes (each in its own process: the profiler's
@@ -262,6 +371,11 @@ def main() -> None:
         per_layer=per_layer,
         runs=runs,
     )
+    save(args, summary)
+    print(json.dumps(summary))
+
+
+def save(args, summary: dict) -> None:
     if args.save:
         os.makedirs(MEASURED, exist_ok=True)
         path = os.path.join(MEASURED, f"{args.shape}.json")
@@ -269,6 +383,28 @@ def main() -> None:
         with open(tmp, "w") as f:
             json.dump({**summary, "date": time.strftime("%Y-%m-%d"), "machine": "CPU-2"}, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
+
+
+def hybrid_main(args) -> None:
+    """One `hybrid` run; per_layer holds what `mint plan` reads, keyed by layer kind."""
+    run = run_worker(args, "hybrid")
+    keys = [k for k in run if k.endswith(("_per_token", "_peak_bytes", "_weight_bytes", "_lora_params"))]
+    per_layer = {k: run[k] for k in keys}
+    per_layer["boundary_state_bytes_per_linear_layer"] = run["boundary_state_bytes_per_linear_layer"]
+    per_layer["kv_bytes_per_token_full_layer"] = run["kv_bytes_per_token_full_layer"]
+    summary = dict(
+        shape=args.shape,
+        layers=args.layers,
+        P=args.prompt_len,
+        R=args.response_len,
+        chunk=args.chunk,
+        lora_rank=args.rank,
+        dtype="bfloat16",
+        device="cpu",
+        per_layer=per_layer,
+        runs={"hybrid": run},
+    )
+    save(args, summary)
     print(json.dumps(summary))
 
 

@@ -43,7 +43,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus", type=int, required=True, help="learner GPUs (data-parallel ranks)")
     plan.add_argument("--gpu-memory", default="96GB", help="memory per GPU, e.g. 96GB (H20), 141GB (H200)")
     plan.add_argument("--prompt-len", type=int, required=True, help="P: the longest prompt, in tokens")
-    plan.add_argument("--shape", default=None, help="qwen3_30b_a3b | qwen3_235b_a22b | glm45_air (default: model.path)")
+    plan.add_argument(
+        "--shape",
+        default=None,
+        help="a key of mint.models.shapes.SHAPES, e.g. qwen3_30b_a3b, qwen35_35b_a3b (default: model.path)",
+    )
     plan.add_argument("--expert-parallel", type=int, default=1, help="EP group size (experts split over it)")
     plan.add_argument("--context-parallel", type=int, default=1, help="CP group size (prefix pages split over it)")
     report = sub.add_parser("report", help="plots and a markdown report of a run directory")

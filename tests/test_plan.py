@@ -1,8 +1,11 @@
 """The per-GPU memory plan (`mint plan`, mint.models.plan): its parameter counts against the published totals and a
-real PEFT model, and the verdicts docs/scaling.md states."""
+real PEFT model, the verdicts docs/scaling.md states, and the hybrid shapes' prompt-state terms (K/V of the full layers,
+boundary state of the linear layers, exact mode's state checkpoints and gradients)."""
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +16,16 @@ from transformers import AutoModelForCausalLM
 
 from mint.config import LoraConfig
 from mint.models.lora import add_lora
-from mint.models.plan import GiB, Job, lora_params, make_plan, param_counts, parse_bytes
+from mint.models.plan import (
+    MEASURED,
+    GiB,
+    Job,
+    lora_params,
+    make_plan,
+    param_counts,
+    parse_bytes,
+    state_checkpoints,
+)
 from mint.models.shapes import SHAPES, RealShape, layer_config, shape
 from mint.models.specs import tiny_config
 
@@ -23,19 +35,26 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("key", sorted(SHAPES))
 def test_parameter_counts_reproduce_the_published_totals(key):
     s = shape(key)
-    total = sum(param_counts(s).values())
-    assert total / 1e9 == pytest.approx(s.total_params_b, rel=0.005)
+    total = sum(param_counts(s).values()) / 1e9
+    if s.hybrid:
+        # Their cards give whole billions (+-0.5 B), and the Qwen3.5 ones count the vision tower (about 0.45 B) that
+        # the text model does not load. A wrong width still shows: 397B-A17B with a 4096-wide shared expert is 398.6.
+        assert s.total_params_b - 1.0 <= total <= s.total_params_b + 0.5
+    else:
+        assert total == pytest.approx(s.total_params_b, rel=0.005)
 
 
 @pytest.mark.parametrize("key", sorted(SHAPES))
 def test_parameter_counts_equal_a_built_layer(key):
-    """One MoE layer of the real config, built on the meta device: attention, experts and the rest add up."""
+    """One MoE layer of the real config (a hybrid: its 4-layer block, 3 Gated DeltaNet + 1 gated full attention),
+    built on the meta device from transformers' own classes: attention, experts and the rest add up."""
     s = shape(key)
+    n = 4 if s.hybrid else 1
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(layer_config(s, 1))
+        model = AutoModelForCausalLM.from_config(layer_config(s, n))
     built = sum(p.numel() for p in model.parameters())
-    one_layer = RealShape(**{**s.__dict__, "layers": 1, "dense_layers": 0})
-    assert sum(param_counts(one_layer).values()) == pytest.approx(built, rel=1e-3)
+    block = RealShape(**{**s.__dict__, "layers": n, "dense_layers": 0})
+    assert sum(param_counts(block).values()) == pytest.approx(built, rel=1e-3)
 
 
 def test_lora_parameter_count_equals_peft():
@@ -63,6 +82,101 @@ def test_lora_parameter_count_equals_peft():
     assert lora_params(tiny, 8) == trainable
 
 
+def test_hybrid_lora_parameter_count_equals_peft():
+    """A hybrid's default LoRA: q (query + output gate), k, v, o of the full layer only, and the fused experts."""
+    tiny = RealShape(
+        "tiny-hybrid",
+        "qwen3_5_moe",
+        hidden=64,
+        layers=4,
+        dense_layers=0,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        experts=4,
+        top_k=2,
+        moe_intermediate=64,
+        intermediate=0,
+        shared_intermediate=64,
+        vocab=97,
+        total_params_b=0.0,
+        full_attention_interval=4,
+        linear_key_heads=2,
+        linear_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel=4,
+        attn_output_gate=True,
+        shared_expert_gate=True,
+    )
+    base = AutoModelForCausalLM.from_config(layer_config(tiny, 4))
+    model = add_lora(base.requires_grad_(False), LoraConfig(rank=8), seed=0)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_params(tiny, 8) == trainable
+
+
+def test_35b_a3b_prompt_state_terms_match_the_hand_figures():
+    """Qwen3.5-35B-A3B: a 61.4 MiB boundary state per sequence (30 x (S 32x128x128 fp32 + 3 conv rows of 8192 bf16
+    channels)), 20 KiB of K/V per prompt token (10 full layers x 2 x 2 heads x 256 x bf16) and 31 state checkpoints
+    (1.86 GiB) at P=128k with C=4096."""
+    s = shape("qwen35_35b_a3b")
+    assert (s.full_layers, s.linear_layers, s.conv_dim) == (10, 30, 8192)
+    assert s.boundary_state_bytes(2) == 30 * (32 * 128 * 128 * 4 + 3 * 8192 * 2)
+    assert s.boundary_state_bytes(2) / 2**20 == pytest.approx(61, abs=0.5)
+    assert s.kv_bytes_per_token(2) == 20 * 1024
+    plan = make_plan(s, "qwen35_35b_a3b", Job(131072, 8, 4096, chunk=4096), 96 * GiB)
+    assert plan.terms["state checkpoints (31 x boundary state, C=4096)"] / GiB == pytest.approx(1.9, abs=0.05)
+    assert plan.terms["prefix K/V (10 full layers)"] == 131072 * 20 * 1024
+    assert plan.terms["boundary-state gradients (2 x fp32)"] == 2 * 30 * (32 * 128 * 128 * 4 + 3 * 8192 * 4)
+
+
+@pytest.mark.parametrize("key", ["qwen35_35b_a3b", "qwen35_122b_a10b"])
+def test_hybrid_state_arithmetic_equals_the_captured_tensors(key):
+    """The boundary state and K/V bytes `mint plan` computes from the dims equal what bench/real_shapes.py read off
+    a real capture at those dims (transformers' cache after a P-token prompt: S, the conv window, K and V)."""
+    s = shape(key)
+    m = json.loads((MEASURED / f"{key}.json").read_text())["per_layer"]
+    assert s.linear_layers * m["boundary_state_bytes_per_linear_layer"] == s.boundary_state_bytes(2)
+    assert s.full_layers * m["kv_bytes_per_token_full_layer"] == s.kv_bytes_per_token(2)
+
+
+def _hybrid_terms(plan, prefix):
+    return [v for k, v in plan.terms.items() if k.startswith(prefix)]
+
+
+def test_hybrid_boundary_state_is_flat_in_p_and_kv_grows_with_it():
+    s = shape("qwen35_35b_a3b")
+    plans = [make_plan(s, "qwen35_35b_a3b", Job(p, 8, 4096, chunk=4096), 96 * GiB) for p in (16384, 262144)]
+    (b16,), (b256,) = (_hybrid_terms(p, "boundary state") for p in plans)
+    (kv16,), (kv256,) = (_hybrid_terms(p, "prefix K/V") for p in plans)
+    (d16,), (d256,) = (_hybrid_terms(p, "prefix dK/dV") for p in plans)
+    assert b16 == b256 == s.boundary_state_bytes(2)
+    assert kv256 == 16 * kv16 and d256 == 16 * d16 == 2 * 16 * kv16
+
+
+def test_state_checkpoints_scale_with_p_over_c():
+    # The capture covers P - 1 positions (the last prompt token starts each replay): ceil((P - 1) / C) chunks.
+    assert [state_checkpoints(p, 4096) for p in (1, 4097, 4098, 8193, 8194)] == [0, 0, 1, 1, 2]
+    s = shape("qwen35_35b_a3b")
+    for p, c in [(131072, 4096), (262144, 4096), (131072, 8192), (131072, 1024), (100_000, 3000)]:
+        plan = make_plan(s, "qwen35_35b_a3b", Job(p, 8, 4096, chunk=c), 96 * GiB)
+        (term,) = _hybrid_terms(plan, "state checkpoints")
+        assert term == (math.ceil((p - 1) / c) - 1) * s.boundary_state_bytes(2)
+    half = make_plan(s, "qwen35_35b_a3b", Job(131072, 8, 4096, chunk=8192), 96 * GiB)
+    double = make_plan(s, "qwen35_35b_a3b", Job(262144, 8, 4096, chunk=4096), 96 * GiB)
+    assert _hybrid_terms(half, "state checkpoints")[0] / s.boundary_state_bytes(2) == 15
+    assert _hybrid_terms(double, "state checkpoints")[0] / s.boundary_state_bytes(2) == 63
+
+
+def test_detached_hybrid_keeps_only_the_final_boundary_state():
+    s = shape("qwen35_35b_a3b")
+    plan = make_plan(s, "qwen35_35b_a3b", Job(131072, 8, 4096, chunk=4096, mode="detached"), 96 * GiB)
+    assert not _hybrid_terms(plan, "state checkpoints") and not _hybrid_terms(plan, "boundary-state gradients")
+    assert not _hybrid_terms(plan, "prefix dK/dV") and _hybrid_terms(plan, "boundary state") == [
+        s.boundary_state_bytes(2)
+    ]
+
+
 def test_sizes_parse():
     assert parse_bytes("96GB") == 96 * GiB and parse_bytes("141GiB") == 141 * GiB and parse_bytes("512M") == 2**29
 
@@ -85,3 +199,33 @@ def test_mint_plan_cli_prints_the_table_and_the_verdict():
         [*cmd, "--gpu-memory", "24GB", "--prompt-len", "16384"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert small.returncode == 1 and "does NOT fit" in small.stdout
+
+
+def test_mint_plan_on_the_qwen35_35b_a3b_recipe_fits_and_shows_every_hybrid_term():
+    cmd = [sys.executable, "-m", "mint.cli", "plan", "recipes/qwen35_35b_a3b_8xh20.toml", "--gpus", "4"]
+    proc = subprocess.run(
+        [*cmd, "--gpu-memory", "96GB", "--prompt-len", "16384"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Qwen3.5-35B-A3B" in proc.stdout and "fits in 96 GiB" in proc.stdout
+    for term in (
+        "frozen base weights",
+        "LoRA + grads + AdamW",
+        "prefix K/V (10 full layers)",
+        "boundary state (30 linear layers)",
+        "prefix dK/dV (fp32, 10 full layers)",
+        "state checkpoints (",
+        "boundary-state gradients (2 x fp32)",
+        "prompt-backward chunk graph",
+        "replay graph",
+        "working buffers",
+    ):
+        assert term in proc.stdout, term
+
+
+def test_qwen35_122b_a10b_recipe_fits_4_learner_h20s_only_with_experts_split():
+    """The 122B-A10B recipe's layout: 4 learner ranks with EP=4 fit at P=16384; without EP the base alone does not."""
+    s, key = shape("qwen35_122b_a10b"), "qwen35_122b_a10b"
+    job = Job(16384, 8, 4096, chunk=4096, data_parallel=4, expert_parallel=4)
+    assert make_plan(s, key, job, 96 * GiB).fits
+    assert not make_plan(s, key, Job(16384, 8, 4096, chunk=4096, data_parallel=4), 96 * GiB).fits

@@ -10,6 +10,19 @@
     replay         measured bytes saved per token per layer by a checkpointed replay x R x layers, plus one layer
                    recomputed in full (the uncheckpointed per-token-layer figure x R) and the scoring transient
     rollout KV     on the rollout GPUs, not the learner's: G sequences of P + R tokens of K/V per engine
+
+Hybrid shapes (Gated DeltaNet + gated full attention, `RealShape.hybrid`) count instead:
+    prefix K/V           P x full layers only x 2 x kv_heads x head_dim in the dtype, over the CP group (grows with P)
+    boundary state       one sequence's recurrent state over the linear layers: S [H_v, d_k, d_v] fp32 + the conv
+                         window, K - 1 rows of conv_dim in the dtype (flat in P)
+    prefix dK/dV         exact mode: the full layers' K/V in fp32
+    state checkpoints    exact mode: one boundary state at every capture-chunk start after the first,
+                         ceil((P - 1) / C) - 1 of them (grows with P / C)
+    state gradients      exact mode: dS and dWindow of one boundary state in fp32, and the one carried back through
+                         the prompt backward: 2 fp32 boundary states
+    chunk / replay       the measured per-token figures of each layer kind x its layer count
+    working buffers      the measured tensor peak of one layer's forward + backward over a chunk, scaled to C
+Nothing in the boundary terms is split over a context-parallel group (the recurrence runs the prompt in order).
 The measured figures come from bench/real_shapes.py (mint/models/measured/<shape>.json). Nothing is inferred from
 the tiny model.
 """
@@ -81,8 +94,19 @@ class Plan:
                 f"{verdict} in {self.gpu_bytes / GiB:.0f} GiB "
                 f"({USABLE:.0%} usable: {USABLE * self.gpu_bytes / GiB:.1f} GiB)",
                 f"rollout engines hold {self.rollout_kv / GiB:,.2f} GiB of K/V per group of G sequences (their GPUs)",
+                *self._hybrid_lines(),
             ]
         )
+
+    def _hybrid_lines(self) -> list[str]:
+        s, b = self.shape, self.job.dtype_bytes
+        if not s.hybrid:
+            return []
+        return [
+            f"hybrid: K/V pages of the {s.full_layers} full layers only, {s.kv_bytes_per_token(b) / 1024:.1f} KiB per "
+            f"prompt token; boundary state of the {s.linear_layers} linear layers "
+            f"{s.boundary_state_bytes(b) / 2**20:.1f} MiB per sequence, whatever P"
+        ]
 
 
 def measured(shape_key: str) -> dict:
@@ -94,16 +118,29 @@ def measured(shape_key: str) -> dict:
     return json.loads(path.read_text())
 
 
+def _q_out(s: RealShape) -> int:
+    """q_proj's output width: the queries, and as many sigmoid output-gate logits with an output gate."""
+    return s.heads * s.head_dim * (2 if s.attn_output_gate else 1)
+
+
+def linear_attention_params(s: RealShape) -> int:
+    """One Gated DeltaNet layer: q/k/v (conv_dim) and z (H_v d_v) in-projections, a and b (H_v each), the depthwise
+    conv (conv_dim x K), the out-projection, dt_bias and A_log (H_v each) and the gated norm (d_v)."""
+    value = s.linear_value_heads * s.linear_value_head_dim
+    proj = s.hidden * (s.conv_dim + value + 2 * s.linear_value_heads) + value * s.hidden
+    return proj + s.conv_dim * s.linear_conv_kernel + 2 * s.linear_value_heads + s.linear_value_head_dim
+
+
 def param_counts(s: RealShape) -> dict[str, int]:
     """Parameter counts by part, from the dims (cross-checked against the published totals in tests)."""
-    attn = s.hidden * s.heads * s.head_dim * 2 + s.hidden * s.kv_heads * s.head_dim * 2
+    attn = s.hidden * _q_out(s) + s.hidden * s.kv_heads * s.head_dim * 2 + s.heads * s.head_dim * s.hidden
     experts = s.experts * 3 * s.hidden * s.moe_intermediate
-    shared = 3 * s.hidden * s.shared_intermediate
+    shared = 3 * s.hidden * s.shared_intermediate + (s.hidden if s.shared_expert_gate else 0)
     router = s.experts * s.hidden
     dense = 3 * s.hidden * s.intermediate
     return {
         "embed_head": 2 * s.vocab * s.hidden,
-        "attention": s.layers * attn,
+        "attention": s.full_layers * attn + s.linear_layers * linear_attention_params(s),
         "experts": s.moe_layers * experts,
         "shared_router_dense": s.moe_layers * (shared + router) + s.dense_layers * dense,
     }
@@ -111,22 +148,54 @@ def param_counts(s: RealShape) -> dict[str, int]:
 
 def lora_param_parts(s: RealShape, rank: int) -> tuple[int, int]:
     """(attention, experts) LoRA parameters: q, k, v, o and the fused experts' gate_up and down, as mint's default
-    [lora] section puts them."""
-    q = rank * (s.hidden + s.heads * s.head_dim)
+    [lora] section puts them. A hybrid's q/k/v/o exist in its full-attention layers only."""
+    q = rank * (s.hidden + _q_out(s))
     kv = 2 * rank * (s.hidden + s.kv_heads * s.head_dim)
     o = rank * (s.heads * s.head_dim + s.hidden)
     experts = s.experts * rank * ((s.hidden + 2 * s.moe_intermediate) + (s.moe_intermediate + s.hidden))
-    return s.layers * (q + kv + o), s.moe_layers * experts
+    return s.full_layers * (q + kv + o), s.moe_layers * experts
 
 
 def lora_params(s: RealShape, rank: int) -> int:
     return sum(lora_param_parts(s, rank))
 
 
+def state_checkpoints(prompt_len: int, chunk: int) -> int:
+    """Exact mode's boundary-state checkpoints: one at every capture-chunk start after the first."""
+    return max(0, -(-(prompt_len - 1) // chunk) - 1)
+
+
+def hybrid_terms(s: RealShape, m: dict, job: Job) -> dict[str, float]:
+    """The prompt-state, graph and buffer terms of a hybrid shape (module docstring); weights and LoRA are common."""
+    b, P, R = job.dtype_bytes, job.prompt_len, job.response_len
+    boundary = s.boundary_state_bytes(b)
+    terms = {
+        f"prefix K/V ({s.full_layers} full layers)": P * s.kv_bytes_per_token(b) / job.context_parallel,
+        f"boundary state ({s.linear_layers} linear layers)": boundary,
+    }
+    chunk = min(job.chunk, P)
+    if job.mode == "exact":
+        n_ckpt = state_checkpoints(P, job.chunk)
+        terms[f"prefix dK/dV (fp32, {s.full_layers} full layers)"] = P * s.kv_bytes_per_token(4) / job.context_parallel
+        terms[f"state checkpoints ({n_ckpt} x boundary state, C={job.chunk})"] = n_ckpt * boundary
+        terms["boundary-state gradients (2 x fp32)"] = 2 * s.boundary_state_bytes(4)
+        per_chunk_token = s.linear_layers * m["linear_ckpt_chunk_saved_bytes_per_token"]
+        per_chunk_token += (s.full_layers - 1) * m["full_ckpt_chunk_saved_bytes_per_token"]  # the last stops at K/V
+        terms["prompt-backward chunk graph"] = per_chunk_token * chunk
+    replay = s.linear_layers * m["linear_ckpt_replay_saved_bytes_per_token"]
+    replay += s.full_layers * m["full_ckpt_replay_saved_bytes_per_token"]
+    replay += max(m["linear_replay_saved_bytes_per_token"], m["full_replay_saved_bytes_per_token"])  # one recomputed
+    terms["replay graph (checkpointed) + scoring"] = replay * R + SCORE_BYTES
+    peak = max(m["linear_chunk_layer_peak_bytes"], m["full_chunk_layer_peak_bytes"])
+    terms["working buffers (one layer's fwd+bwd over a chunk, measured)"] = peak * chunk / m["chunk"]
+    return terms
+
+
 def make_plan(s: RealShape, shape_key: str, job: Job, gpu_bytes: int) -> Plan:
     if job.mode not in ("exact", "detached"):
         raise ConfigError(f"plan: mode {job.mode!r} is not exact or detached")
-    m = measured(shape_key)["per_layer"]
+    figures = measured(shape_key)
+    m = figures["per_layer"]
     counts = param_counts(s)
     b = job.dtype_bytes
     weights = (counts["embed_head"] + counts["attention"] + counts["shared_router_dense"]) * b
@@ -134,13 +203,16 @@ def make_plan(s: RealShape, shape_key: str, job: Job, gpu_bytes: int) -> Plan:
     attn_lora, expert_lora = lora_param_parts(s, job.lora_rank)
     n_lora = attn_lora + expert_lora / job.expert_parallel  # a rank holds its experts' LoRA only
     optim = n_lora * (2 * b + 12 / job.data_parallel)
-    kv_token = s.layers * 2 * s.kv_heads * s.head_dim
-    prefix = job.prompt_len * kv_token * b / job.context_parallel
     terms = {
         "frozen base weights": weights,
         "LoRA + grads + AdamW (ZeRO-1)": optim,
-        "prefix K/V": prefix,
     }
+    if s.hybrid:
+        terms.update(hybrid_terms(s, {**m, "chunk": figures["chunk"]}, job))
+        per_sequence = (job.prompt_len + job.response_len) * s.kv_bytes_per_token(b) + s.boundary_state_bytes(b)
+        return Plan(s, job, gpu_bytes, terms, job.group * per_sequence)
+    kv_token = s.layers * 2 * s.kv_heads * s.head_dim
+    terms["prefix K/V"] = job.prompt_len * kv_token * b / job.context_parallel
     if job.mode == "exact":
         terms["prefix dK/dV (fp32)"] = job.prompt_len * kv_token * 4 / job.context_parallel
         chunk = min(job.chunk, job.prompt_len)
@@ -184,4 +256,9 @@ HUB_IDS = {
     "Qwen/Qwen3-30B-A3B-Base": "qwen3_30b_a3b",
     "Qwen/Qwen3-235B-A22B": "qwen3_235b_a22b",
     "zai-org/GLM-4.5-Air": "glm45_air",
+    "Qwen/Qwen3.5-35B-A3B": "qwen35_35b_a3b",
+    "Qwen/Qwen3.5-122B-A10B": "qwen35_122b_a10b",
+    "Qwen/Qwen3.5-397B-A17B": "qwen35_397b_a17b",
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3_next_80b_a3b",
+    "Qwen/Qwen3-Next-80B-A3B-Thinking": "qwen3_next_80b_a3b",
 }

@@ -2,14 +2,19 @@
 
 `bench/real_shapes.py` builds a few layers of each with random weights to measure per-layer memory, and `mint plan`
 multiplies those measurements by the real layer counts. The dims below are the models' published config.json values
-(Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, zai-org/GLM-4.5-Air).
+(Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, zai-org/GLM-4.5-Air, and the hybrids below).
+
+Hybrid shapes (Qwen3.5-MoE, Qwen3-Next) interleave Gated DeltaNet "linear_attention" layers with output-gated
+"full_attention" layers: layer i is full when (i + 1) % full_attention_interval == 0 (3:1 at interval 4). Only the full
+layers keep K/V pages; each linear layer keeps a boundary state per sequence: S [H_v, d_k, d_v] in fp32 and the
+causal conv's window of K - 1 pre-conv rows of conv_dim = 2 H_k d_k + H_v d_v channels in the model dtype.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers import Glm4MoeConfig, PretrainedConfig, Qwen3MoeConfig
+from transformers import Glm4MoeConfig, PretrainedConfig, Qwen3_5MoeTextConfig, Qwen3MoeConfig, Qwen3NextConfig
 
 from mint.errors import ConfigError
 
@@ -31,10 +36,54 @@ class RealShape:
     shared_intermediate: int  # shared-expert width, 0 without one
     vocab: int
     total_params_b: float  # published total parameters, billions (a cross-check on the weight term)
+    # Hybrid decoders only (0 / False: every layer is a plain full-attention layer, as in the GQA MoE shapes).
+    full_attention_interval: int = 0  # layer i is full attention when (i + 1) % interval == 0, else Gated DeltaNet
+    linear_key_heads: int = 0  # H_k
+    linear_value_heads: int = 0  # H_v
+    linear_key_head_dim: int = 0  # d_k
+    linear_value_head_dim: int = 0  # d_v
+    linear_conv_kernel: int = 0  # K, the causal conv's width over the pre-conv q/k/v rows
+    attn_output_gate: bool = False  # q_proj emits 2 x heads x head_dim: the query and a sigmoid output gate
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(Linear(hidden -> 1))
 
     @property
     def moe_layers(self) -> int:
         return self.layers - self.dense_layers
+
+    @property
+    def hybrid(self) -> bool:
+        return self.full_attention_interval > 0
+
+    @property
+    def full_layers(self) -> int:
+        """Decoder layers with softmax attention (the only ones with K/V pages)."""
+        return self.layers // self.full_attention_interval if self.hybrid else self.layers
+
+    @property
+    def linear_layers(self) -> int:
+        """Gated DeltaNet layers (a recurrent boundary state each, flat in the prompt length)."""
+        return self.layers - self.full_layers
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of a linear layer's causal conv: q and k (H_k x d_k each) and v (H_v x d_v)."""
+        return (
+            2 * self.linear_key_heads * self.linear_key_head_dim + self.linear_value_heads * self.linear_value_head_dim
+        )
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of one prompt token over every full-attention layer."""
+        return self.full_layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
+
+    def recurrent_state_bytes(self, window_dtype_bytes: int) -> int:
+        """One linear layer's boundary state: S [H_v, d_k, d_v] in fp32 (always) + the conv window of K - 1 rows of
+        conv_dim channels (window_dtype_bytes each: the model dtype; 4 for its fp32 gradient)."""
+        s = self.linear_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        return s + (self.linear_conv_kernel - 1) * self.conv_dim * window_dtype_bytes
+
+    def boundary_state_bytes(self, dtype_bytes: int) -> int:
+        """One sequence's boundary state over every linear layer; independent of the prompt length."""
+        return self.linear_layers * self.recurrent_state_bytes(dtype_bytes)
 
 
 SHAPES: dict[str, RealShape] = {
@@ -53,6 +102,45 @@ SHAPES: dict[str, RealShape] = {
         experts=128, top_k=8, moe_intermediate=1408, intermediate=10944, shared_intermediate=1408, vocab=151552,
         total_params_b=106.9,
     ),
+    # Hybrids. total_params_b is the headline of the hub card, rounded to whole billions; the Qwen3.5 ones count the
+    # vision tower too (about 0.45 B), which the text model does not load (tests allow for both).
+    # Qwen/Qwen3.5-35B-A3B: every value checked against transformers' Qwen3_5MoeTextConfig defaults (documented as
+    # this checkpoint) and an independent Megatron launch script of the same dims. rope_theta 1e7.
+    "qwen35_35b_a3b": RealShape(
+        "Qwen3.5-35B-A3B", "qwen3_5_moe", hidden=2048, layers=40, dense_layers=0, heads=16, kv_heads=2, head_dim=256,
+        experts=256, top_k=8, moe_intermediate=512, intermediate=0, shared_intermediate=512, vocab=248320,
+        total_params_b=35.0, full_attention_interval=4, linear_key_heads=16, linear_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel=4, attn_output_gate=True,
+        shared_expert_gate=True,
+    ),
+    # Qwen/Qwen3.5-122B-A10B: from one stored copy of its dims (an inference test config), not from the hub file
+    # itself; the parameter count they give (122.1 B + vision) matches the published 122 B.
+    "qwen35_122b_a10b": RealShape(
+        "Qwen3.5-122B-A10B", "qwen3_5_moe", hidden=3072, layers=48, dense_layers=0, heads=32, kv_heads=2,
+        head_dim=256, experts=256, top_k=8, moe_intermediate=1024, intermediate=0, shared_intermediate=1024,
+        vocab=248320, total_params_b=122.0, full_attention_interval=4, linear_key_heads=16, linear_value_heads=64,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel=4, attn_output_gate=True,
+        shared_expert_gate=True,
+    ),
+    # Qwen/Qwen3.5-397B-A17B: three stored sources agree on every value but shared_expert_intermediate_size, where
+    # one test fixture says 4096 and two say 1024; 1024 is taken because it reproduces the published 397 B (4096
+    # would give 398.6 B + vision).
+    "qwen35_397b_a17b": RealShape(
+        "Qwen3.5-397B-A17B", "qwen3_5_moe", hidden=4096, layers=60, dense_layers=0, heads=32, kv_heads=2,
+        head_dim=256, experts=512, top_k=10, moe_intermediate=1024, intermediate=0, shared_intermediate=1024,
+        vocab=248320, total_params_b=397.0, full_attention_interval=4, linear_key_heads=16, linear_value_heads=64,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel=4, attn_output_gate=True,
+        shared_expert_gate=True,
+    ),
+    # Qwen/Qwen3-Next-80B-A3B (-Instruct): a stored copy of its config.json, and transformers' Qwen3NextConfig
+    # defaults (documented as this checkpoint) agree. intermediate_size 5120 is unused (no dense layer).
+    "qwen3_next_80b_a3b": RealShape(
+        "Qwen3-Next-80B-A3B", "qwen3_next", hidden=2048, layers=48, dense_layers=0, heads=16, kv_heads=2,
+        head_dim=256, experts=512, top_k=10, moe_intermediate=512, intermediate=5120, shared_intermediate=512,
+        vocab=151936, total_params_b=80.0, full_attention_interval=4, linear_key_heads=16, linear_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel=4, attn_output_gate=True,
+        shared_expert_gate=True,
+    ),
 }  # fmt: skip
 
 
@@ -62,9 +150,17 @@ def shape(name: str) -> RealShape:
     return SHAPES[name]
 
 
+def layer_types(s: RealShape, n: int) -> list[str]:
+    """The schedule of a hybrid built with n layers: n - 1 Gated DeltaNet layers, then one full-attention layer (n = 4
+    is the real models' repeating block; n = 2 builds one layer of each kind)."""
+    return ["linear_attention"] * (n - 1) + ["full_attention"]
+
+
 def layer_config(s: RealShape, moe_layers: int, max_positions: int = 40960) -> PretrainedConfig:
     """A transformers config with the real dims and `moe_layers` MoE decoder layers (no dense ones): what the
-    benchmark builds with random weights to measure one MoE layer's figures."""
+    benchmark builds with random weights to measure one MoE layer's figures. Hybrids: `layer_types(s, moe_layers)`."""
+    if s.hybrid:
+        return _hybrid_config(s, moe_layers, max_positions)
     common = dict(
         vocab_size=s.vocab,
         hidden_size=s.hidden,
@@ -95,3 +191,33 @@ def layer_config(s: RealShape, moe_layers: int, max_positions: int = 40960) -> P
             **common,
         )
     raise ConfigError(f"no layer config for family {s.family!r}")
+
+
+def _hybrid_config(s: RealShape, n: int, max_positions: int) -> PretrainedConfig:
+    common = dict(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        num_hidden_layers=n,
+        layer_types=layer_types(s, n),
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        linear_conv_kernel_dim=s.linear_conv_kernel,
+        linear_key_head_dim=s.linear_key_head_dim,
+        linear_value_head_dim=s.linear_value_head_dim,
+        linear_num_key_heads=s.linear_key_heads,
+        linear_num_value_heads=s.linear_value_heads,
+        moe_intermediate_size=s.moe_intermediate,
+        shared_expert_intermediate_size=s.shared_intermediate,
+        num_experts=s.experts,
+        num_experts_per_tok=s.top_k,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        # Partial RoPE: 64 of head_dim 256 rotate.
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    )
+    if s.family == "qwen3_5_moe":
+        return Qwen3_5MoeTextConfig(**common)
+    if s.family == "qwen3_next":
+        return Qwen3NextConfig(intermediate_size=s.intermediate, decoder_sparse_step=1, norm_topk_prob=True, **common)
+    raise ConfigError(f"no layer config for hybrid family {s.family!r}")
