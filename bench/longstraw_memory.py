@@ -5,6 +5,7 @@ Usage (the defaults are the full sizes; on a 2-core CPU pass smaller ones):
     python bench/longstraw_memory.py --prompt-len 4096 --response-len 128
     python bench/longstraw_memory.py --device cuda --dtype bfloat16     # on a GPU machine
     python bench/longstraw_memory.py --smoke                           # smoke-size learner steps, side by side
+    python bench/longstraw_memory.py --model tiny:qwen3_5_moe --prompt-len 4096   # a hybrid base's state kinds
 
 --smoke times the learner step of recipes/smoke.toml (what `make run` trains) under both inner steps in one process:
 two world-size-1 learner ranks set up as a Ray rank is (DeepSpeed ZeRO-1 on gloo, the recipe's LoRA, one torch
@@ -21,7 +22,8 @@ state allocated, allocator warm); then the baseline is taken and one update over
   peak   : CPU VmHWM (reset through /proc/self/clear_refs) minus VmRSS at the baseline; CUDA max_memory_allocated
            minus memory_allocated at the baseline. Measured, never estimated.
   bound  : M_prefix + M_grad + max_i (M_graph(R_i) + M_score(R_i)) with
-           M_prefix  bytes of the captured state (longstraw's KVState),
+           M_prefix  bytes of the captured state (K/V pages; a hybrid model's recurrent boundary beside its full
+                     layers' pages, and in exact mode the boundary's chunk-start checkpoints),
            M_grad    bytes of the LoRA gradients,
            M_graph   bytes saved for backward in one replay: saved-tensor hooks over unique storages, excluding
                      weights and the prefix state (longstraw.memory.GraphMeter),
@@ -69,6 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--group", type=int, default=8, help="G")
     ap.add_argument("--response-len", type=int, default=256, help="R (every response)")
     ap.add_argument("--chunk", type=int, default=1024, help="C: capture / prompt-backward chunk")
+    ap.add_argument(
+        "--model",
+        default="qwen3_moe",
+        help="qwen3_moe: a Qwen3-MoE of the dims below; tiny:<family>: the embedded tiny base's architecture (its "
+        "config at --vocab, random weights; the dims below are then unused), e.g. tiny:qwen3_5_moe",
+    )
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
@@ -92,14 +100,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -- worker: one configuration in this process -----------------------------------------------------------------
 
 
-def build(args):
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+def model_config(args):
+    from transformers import Qwen3MoeConfig
 
-    from mint.config import LoraConfig
-    from mint.models.lora import add_lora
+    from mint.models.specs import TINY_PREFIX, tiny_config
 
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
+    positions = args.prompt_len + args.response_len + 16
+    if args.model.startswith(TINY_PREFIX):
+        return tiny_config(args.model[len(TINY_PREFIX) :], args.vocab, max_position_embeddings=max(positions, 256))
+    if args.model != "qwen3_moe":
+        raise SystemExit(f"--model: {args.model!r} is not qwen3_moe or tiny:<family>")
+    return Qwen3MoeConfig(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=2 * args.hidden,
@@ -110,9 +121,19 @@ def build(args):
         num_experts=args.experts,
         num_experts_per_tok=args.top_k,
         moe_intermediate_size=args.moe_intermediate,
-        max_position_embeddings=args.prompt_len + args.response_len + 16,
+        max_position_embeddings=positions,
         tie_word_embeddings=False,
     )
+
+
+def build(args):
+    from transformers import AutoModelForCausalLM
+
+    from mint.config import LoraConfig
+    from mint.models.lora import add_lora
+
+    torch.manual_seed(0)
+    config = model_config(args)
     with torch.device(args.device):
         base = AutoModelForCausalLM.from_config(config, dtype=DTYPES[args.dtype]).eval()
     for p in base.parameters():
@@ -148,6 +169,25 @@ def naive_step(model, tokens_P, responses, meter_graph: bool) -> int:
         loss.backward()
         del logits, loss
     return graph_bytes
+
+
+def state_sizes(args) -> dict:
+    """The captured prefix state of prompts of P and 4P positions, by part (K/V pages; a hybrid model's recurrent
+    boundary), as the detached and resident modes keep it, and exact mode's chunk-start checkpoints beside it."""
+    from longstraw.adapters import LayeredState, adapter_for
+
+    torch.set_num_threads(args.threads)
+    model, _, _ = build(args)
+    adapter = adapter_for(model)
+    out = {}
+    for scale in (1, 4):
+        tokens_S = torch.randint(0, args.vocab, (scale * args.prompt_len - 1,)).to(args.device)
+        state = adapter.capture(tokens_S, args.chunk)
+        parts = state.nbytes_by_kind() if isinstance(state, LayeredState) else {"full_attention": state.nbytes}
+        kept = adapter.with_options(keep_checkpoints=True).capture(tokens_S, args.chunk)
+        out[f"{scale}P"] = {"parts": parts, "with_checkpoints": kept.nbytes}
+        del state, kept
+    return out
 
 
 def worker(args) -> dict:
@@ -323,15 +363,23 @@ def smoke(args) -> dict:
     }
 
 
+def part_ratio(states: dict, kind: str) -> float | None:
+    """bytes of one part of the state at 4P over those at P; None where the model has no such part."""
+    if "error" in states or kind not in states["1P"]["parts"]:
+        return None
+    return round(states["4P"]["parts"][kind] / states["1P"]["parts"][kind], 3)
+
+
 def main() -> None:
     args = parse_args()
     if args.worker:
-        print(json.dumps(worker(args)))
+        print(json.dumps(state_sizes(args) if args.worker == "state" else worker(args)))
         return
     if args.smoke is not None:
         print(json.dumps(smoke(args)))
         return
     runs = {c: run_worker(args, c, args.group) for c in args.configs.split(",") if c}
+    states = run_worker(args, "state", args.group)
     flat = [int(g) for g in args.flat_groups.split(",") if g]
     flat_runs = [run_worker(args, "detached", g) for g in flat]
 
@@ -374,14 +422,23 @@ def main() -> None:
         "R": args.response_len,
         "chunk": args.chunk,
         "replay_budget_mb": args.replay_budget_mb,
-        "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "head_dim", "experts")}
-        | {"top_k": args.top_k, "vocab": args.vocab},
+        "model": {"name": args.model, "vocab": args.vocab}
+        | (
+            {}
+            if args.model.startswith("tiny:")
+            else {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "head_dim", "experts")}
+            | {"top_k": args.top_k}
+        ),
         "malloc_mmap_threshold": None if args.no_malloc_tune or args.device != "cpu" else 65536,
         "peak_over_bound_detached": ratio(field("detached", "peak_bytes"), field("detached", "bound_bytes")),
         "peak_over_bound_exact": ratio(field("exact", "peak_bytes"), field("exact", "bound_bytes")),
         "naive_over_exact_time": ratio(field("naive", "seconds"), field("exact", "seconds")),
         "naive_over_detached_time": ratio(field("naive", "seconds"), field("detached", "seconds")),
         "g_flatness": ratio(*(r.get("peak_bytes") for r in reversed(flat_runs))) if len(flat_runs) == 2 else None,
+        # The captured state at P and 4P by part: K/V pages grow with P; a recurrent boundary must not.
+        "state_bytes": {k: v for k, v in states.items() if k != "group"},
+        "boundary_bytes_4x_over_1x_P": part_ratio(states, "linear_attention"),
+        "pages_bytes_4x_over_1x_P": part_ratio(states, "full_attention"),
         "runs": all_runs,
     }
     print(json.dumps(summary))
