@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from longstraw.routing import find_routers
 from mint.errors import ConfigError
 from mint.models import tiny, tiny_ship
-from mint.models.specs import TINY_FAMILIES, moe_layout, tiny_config
+from mint.models.specs import HYBRID_FAMILIES, TINY_FAMILIES, moe_layout, tiny_config
 from mint.models.tiny import (
     BUILD_VERSION,
     IM_END,
@@ -33,6 +33,9 @@ from mint.models.tiny import (
 FAMILIES = TINY_FAMILIES
 SHIPPED_DIR = tiny_ship.SHIPPED_DIR  # the real one: some fixtures point tiny_ship elsewhere
 PROMPT = "What is the first digit of 3 7 1 4?"
+# The saved model_type where it is not the family's name: the text models of the Qwen3.5 checkpoints.
+MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5": "qwen3_5_text"}
+SHARED_EXPERT = ("qwen2_moe", "qwen3_5_moe", "qwen3_next")  # families whose MoE has a sigmoid-gated shared expert
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +94,13 @@ def test_build_saves_and_loads_through_from_pretrained(tiny_paths, family):
     assert all(os.path.isfile(os.path.join(path, f)) for f in REQUIRED_FILES)
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
-    assert model.config.model_type == family
+    assert model.config.model_type == MODEL_TYPES.get(family, family)
     assert model.config.vocab_size == len(tok)
     im_end, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     assert (tok.eos_token_id, tok.pad_token_id) == (im_end, pad)
     assert (model.config.eos_token_id, model.config.pad_token_id) == (im_end, pad)
     assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (im_end, pad)
-    assert hasattr(model.model.layers[0].mlp, "shared_expert") == (family == "qwen2_moe")
+    assert hasattr(model.model.layers[0].mlp, "shared_expert") == (family in SHARED_EXPERT)
     if family == "glm4_moe":  # a dense first layer, then MoE layers with a shared expert
         dense, *moe = model.model.layers
         assert not hasattr(dense.mlp, "experts") and all(hasattr(layer.mlp, "shared_experts") for layer in moe)
@@ -109,6 +112,27 @@ def test_build_saves_and_loads_through_from_pretrained(tiny_paths, family):
     manifest = _manifest(path)
     assert manifest["recipe"]["family"] == family and manifest["pretrain_seconds"] > 0
     assert 0 < manifest["skill_steps"] < manifest["recipe"]["steps"], "the skill phase hit its step cap"
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_hybrid_bases_interleave_gated_deltanet_with_full_attention(tiny_paths, family):
+    """Three Gated DeltaNet layers then one gated full-attention layer; in the MoE families every layer routes (4
+    experts, top-2), and moe_layout says so; the dense qwen3_5 has no layout and no router."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_paths[family])
+    schedule = ["linear_attention"] * 3 + ["full_attention"]
+    assert model.config.layer_types == schedule
+    mixers = ["linear_attention" if hasattr(layer, "linear_attn") else "full_attention" for layer in model.model.layers]
+    assert mixers == schedule
+    assert not hasattr(model.model.layers[3], "linear_attn") and hasattr(model.model.layers[3], "self_attn")
+    assert model.config.head_dim == 32 and model.config.rope_parameters["partial_rotary_factor"] == 0.25
+    layout = moe_layout(model.config)
+    assert layout == moe_layout(tiny_config(family, 97))
+    if family == "qwen3_5":
+        assert layout is None and not any(hasattr(layer.mlp, "experts") for layer in model.model.layers)
+        return
+    assert (layout.num_layers, layout.num_experts, layout.top_k) == (4, 4, 2)
+    assert layout.layer_ids == (0, 1, 2, 3) and layout.num_decoder_layers == 4
+    assert len(find_routers(model)) == 4
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -372,17 +396,21 @@ def test_ship_records_digests_and_drops_stale_keys(tmp_path, monkeypatch):
 _BUILD_SCRIPT = """
 import json, sys, torch
 from mint.models import tiny
-r = tiny.TinyRecipe("qwen3_moe")
+r = tiny.TinyRecipe(sys.argv[2])
 tiny.build_tiny(r.family, sys.argv[1], seed=r.seed, label_accuracy=r.label_accuracy, steps=r.steps,
                 calibrate_steps=r.calibrate_steps)
 print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability()}))
 """
 
 
+# qwen3_moe only: every family runs the same build_tiny, and a hybrid's build costs 5 min on 2 shared cores (its
+# Gated DeltaNet runs in plain torch), beyond the suite's budget; docs/decisions.md records the hybrid run by hand.
 @pytest.mark.slow
-def test_a_fresh_build_on_other_kernels_reaches_the_shipped_skill(tmp_path):
-    """build_tiny is still the code that made the shipped base: a fresh qwen3_moe build under other CPU kernels than
-    the shipped one's (30-50 s, 1 thread) has other bytes but the partial skill the shipped manifest records.
+@pytest.mark.parametrize("family", ["qwen3_moe"])
+def test_a_fresh_build_on_other_kernels_reaches_the_shipped_skill(tmp_path, family):
+    """build_tiny is still the code that made the shipped base: a fresh build under other CPU kernels than the shipped
+    one's (1 thread: qwen3_moe 30-50 s) has
+    other bytes but the partial skill the shipped manifest records.
 
     The build calibrates its sampled skill to the recipe's label accuracy, so `expected` and `sampled` (400 prompts
     per task) stay within 0.1 of the shipped figures: builds under default / avx2 / avx512 spread `expected` at most
@@ -391,15 +419,15 @@ def test_a_fresh_build_on_other_kernels_reaches_the_shipped_skill(tmp_path):
     (arithmetic: 0.8775 shipped, 0.985 under another machine's default kernels; docs/decisions.md). So greedy has a
     floor only, the shipped figure minus 0.1. A lost skill moves far more: greedy 0.95 -> 0.55 and sampled -> 0.1
     (chance)."""
-    shipped = tiny_ship.read_manifest(_shipped("qwen3_moe"))
+    shipped = tiny_ship.read_manifest(_shipped(family))
     other = "avx2" if shipped["built_with"]["cpu_capability"] == "DEFAULT" else "default"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": other}
     proc = subprocess.run(
-        [sys.executable, "-c", _BUILD_SCRIPT, str(tmp_path)],
+        [sys.executable, "-c", _BUILD_SCRIPT, str(tmp_path), family],
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -26,8 +26,9 @@ def knob(default: Any, help: str, *, min: float | None = None, max: float | None
 class ModelConfig:
     path: str = knob(
         "tiny:qwen3_moe",
-        "Base model: a hub id, a local directory, or tiny:qwen3_moe / tiny:qwen2_moe / tiny:glm4_moe / tiny:qwen3 "
-        "(dense) for the embedded tiny bases (never downloaded).",
+        "Base model: a hub id, a local directory, or tiny:<family> for the embedded tiny bases (never downloaded): "
+        "qwen3_moe, qwen2_moe, glm4_moe, qwen3 (dense), and the Gated DeltaNet hybrids qwen3_5_moe, qwen3_next, "
+        "qwen3_5 (dense).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", "Dtype of the frozen base and the LoRA weights.")
 

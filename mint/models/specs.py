@@ -13,15 +13,19 @@ from transformers import (
     Glm4MoeConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 
 from longstraw.routing import ExpertLayout
 from mint.errors import ConfigError
 
 TINY_PREFIX = "tiny:"
-TINY_FAMILIES = ("qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3")
+TINY_FAMILIES = ("qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3", "qwen3_5_moe", "qwen3_next", "qwen3_5")
+HYBRID_FAMILIES = ("qwen3_5_moe", "qwen3_next", "qwen3_5")  # Gated DeltaNet + gated full attention, 3:1
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,8 +39,21 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
     and routed_scaling_factor 2.5, an ungated shared expert, partial RoPE (half of head_dim 32, so the attention
     width 128 differs from hidden 64 as in GLM-4.5-Air), q/k RMSNorm and q/k/v bias. qwen3: a dense Qwen3 (no
     experts, MLP 128 wide) with head_dim 32, the smallest head vLLM's CPU attention serves (it refuses 16), so a real
-    vLLM server runs it in the tests. Sizes are chosen so a CPU builds, pretrains and RL-trains one in seconds.
+    vLLM server runs it in the tests.
+
+    The hybrid families (HYBRID_FAMILIES) are the text models of Qwen3.5-MoE (`qwen3_5_moe`: saved model_type
+    `qwen3_5_moe_text`, Qwen3_5MoeForCausalLM), Qwen3-Next (`qwen3_next`) and dense Qwen3.5 (`qwen3_5`: saved
+    `qwen3_5_text`, Qwen3_5ForCausalLM): 4 layers, layer_types 3 x linear_attention (Gated DeltaNet: 2 key heads and 4
+    value heads of 16, causal conv 4) then 1 x full_attention (output-gated, GQA 4:2, head_dim 32, RoPE on a quarter
+    of it as in the released checkpoints). The MoE ones route every layer to 4 experts of 64 (top-2, normalized) plus
+    a sigmoid-gated shared expert of 64; qwen3_5 has a dense MLP 128 wide. Four layers so that one full-attention
+    layer follows the linear ones, as in every 4-layer block of the real models.
+
+    Sizes are chosen so a CPU builds, pretrains and RL-trains one in seconds (the hybrids in minutes: without the
+    fused kernels transformers runs Gated DeltaNet in plain torch).
     """
+    if family in HYBRID_FAMILIES:
+        return _tiny_hybrid(family, vocab_size, **overrides)
     if family == "glm4_moe":
         return _tiny_glm4_moe(vocab_size, **overrides)
     if family == "qwen3":
@@ -81,6 +98,36 @@ def _tiny_qwen3(vocab_size: int, **overrides) -> Qwen3Config:
     )
     config.update(overrides)
     return Qwen3Config(**config)
+
+
+def _tiny_hybrid(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
+    config = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # vLLM's CPU attention refuses 16
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    if family == "qwen3_5":
+        config.update(intermediate_size=128)
+    else:
+        config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+        config.update(shared_expert_intermediate_size=64)
+    if family == "qwen3_next":  # Qwen3_5MoeTextConfig has none of these: every layer is MoE, top-k normalized
+        config.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], intermediate_size=128)
+    config.update(overrides)
+    cls = {"qwen3_5_moe": Qwen3_5MoeTextConfig, "qwen3_next": Qwen3NextConfig, "qwen3_5": Qwen3_5TextConfig}[family]
+    return cls(**config)
 
 
 def _tiny_glm4_moe(vocab_size: int, **overrides) -> Glm4MoeConfig:
@@ -144,9 +191,28 @@ def moe_layout(config: PretrainedConfig) -> ExpertLayout | None:
     )
 
 
+# Vision-language checkpoints whose text model Mint trains: config.json model_type -> the text model's. The released
+# Qwen3.5 and Qwen3.5-MoE checkpoints are these (Qwen3_5{Moe}ForConditionalGeneration, weights model.language_model.*
+# and model.visual.*). AutoModelForCausalLM maps them to the text CausalLM (Qwen3_5{Moe}ForCausalLM), whose config is
+# the checkpoint's text_config and which reads model.language_model.* as its model.* and leaves model.visual.* unread.
+VLM_TEXT_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5": "qwen3_5_text"}
+
+
+def vlm_text_model_type(config: PretrainedConfig) -> str | None:
+    """The text model's model_type when `config` is a vision-language checkpoint's (VLM_TEXT_MODEL_TYPES), else None."""
+    return VLM_TEXT_MODEL_TYPES.get(getattr(config, "model_type", ""))
+
+
 def load_model(path: str, dtype: str = "float32") -> torch.nn.Module:
-    """Load a causal LM from a hub id or a local directory, in eval mode, with all base weights frozen."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    """Load a causal LM from a hub id or a local directory, in eval mode, with all base weights frozen.
+
+    A vision-language checkpoint of VLM_TEXT_MODEL_TYPES loads as its text model (the vision tower is not loaded).
+    For those families a base weight the checkpoint lacks is an error, not a freshly initialized (and frozen) one: it
+    is what a renaming of the checkpoint's language-model keys that did not apply would look like."""
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], output_loading_info=True)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing and model.config.model_type in VLM_TEXT_MODEL_TYPES.values():
+        raise ConfigError(f"model.path: {path} lacks {len(missing)} weights of its text model, e.g. {missing[0]}")
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
