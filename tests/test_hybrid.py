@@ -329,3 +329,26 @@ def test_flash_linear_attention_path_equals_the_torch_path(hybrid_path):
         results.append(_grads(model))
     for name in results[1]:
         torch.testing.assert_close(results[0][name], results[1][name], atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_resident_from_a_fresh_capture_is_detached_and_ages(hybrid_path):
+    """Resident mode keeps the LayeredState (pages and boundary) across updates: from a fresh capture its gradient
+    is detached mode's; after an optimizer step the kept state is stale by design and the gradient moves."""
+    model = _lora_model(hybrid_path)
+    tokens_P, responses = _inputs(model.config.vocab_size)
+    spec = dict(chunk_size=CHUNK, temperature=TEMPERATURE)
+    grpo_update(model, tokens_P, responses, _objective, UpdateSpec(mode="detached", **spec))
+    detached = _grads(model)
+    kept = capture_prefix(model, tokens_P, CHUNK)
+    metrics = grpo_update(model, tokens_P, responses, _objective, UpdateSpec(mode="resident", **spec), capture=kept)
+    _assert_grads_close(_grads(model), detached, model)
+    assert metrics.prefix_age == 0 and kept.age == 1 and isinstance(kept.state, LayeredState)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.mul_(1.5)
+    grpo_update(model, tokens_P, responses, _objective, UpdateSpec(mode="resident", **spec), capture=kept)
+    stale = _grads(model)
+    grpo_update(model, tokens_P, responses, _objective, UpdateSpec(mode="detached", **spec))
+    fresh = _grads(model)
+    assert max((stale[n] - fresh[n]).abs().max() for n in fresh) > 1e-5
