@@ -95,6 +95,8 @@ def _delta_rule(attn: nn.Module, device: torch.device, force: str | None):
         heads = v.shape[-2]
         if q.shape[-2] != heads:  # grouped values: each q/k head serves consecutive value heads
             q, k = (x.repeat_interleave(heads // x.shape[-2], dim=-2) for x in (q, k))
+        # The kernel reads the state by its own strides: a micro-batch's broadcast view becomes real rows.
+        initial_state = initial_state.float().contiguous() if initial_state is not None else None
         return chunk_gated_delta_rule(
             q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
