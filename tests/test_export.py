@@ -201,22 +201,6 @@ def test_hybrid_expert_lora_splits_per_expert_and_serves_the_same_model(family, 
     assert all(torch.equal(back[k], tensors[k]) for k in tensors)
 
 
-def test_qwen3_5_vlm_checkpoints_are_refused_for_the_engines_in_one_line():
-    """A Qwen3.5 VLM checkpoint (model_type qwen3_5_moe / qwen3_5) is served as the engines' vision-language class,
-    whose LoRA modules sit under language_model.model.layers: Mint's adapter (keys model.layers.*, the text model it
-    trains) would load there and apply nowhere. Refused up front, with or without expert LoRA; `mint serve` runs the
-    text model Mint trained and is not refused."""
-    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
-
-    for config in (Qwen3_5MoeConfig(), Qwen3_5Config()):
-        for engine in ("vllm", "sglang"):
-            for layout in ("auto", "peft", "per-expert"):
-                with pytest.raises(MintError, match=f"serve the text checkpoint \\({config.model_type}_text\\)") as err:
-                    engine_layout(layout, {"r": 8, "target_modules": ["q_proj"]}, config, engine=engine)
-                assert "\n" not in str(err.value)
-        assert engine_layout("auto", {"r": 8, "target_modules": ["q_proj"]}, config, engine="mint") == "peft"
-
-
 def test_engine_adapter_dirs_read_back_as_the_trained_revision(random_tiny_path, tmp_path):
     """What a rollout actor writes for its engine: the per-expert layout records the trained revision's id
     and config, and `read_adapter_dir` (what `mint serve` loads) fuses it back to the very tensors of that id; the

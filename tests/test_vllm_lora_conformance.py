@@ -13,6 +13,13 @@ its LoRA worker manager (the real model class, its packed-module and expert mapp
 - per expert, vLLM's B @ A equals the delta PEFT's own merge puts on the fused gate_up_proj / down_proj, so the names,
   the expert order and the [gate; up] split are those of the model and not only of Mint's indexing;
 - every other layout is refused by vLLM and by `engine_layout`, in one line.
+
+The Qwen3.5 vision-language checkpoints (model_type qwen3_5_moe / qwen3_5, built by test_vlm_checkpoint.build_vlm_tiny)
+are served by vLLM's Qwen3_5{Moe}ForConditionalGeneration, whose LoRA modules sit under language_model.model.layers
+and whose MoE wrapper is the 3-D one (is_3d_moe_weight): Mint trains the text model, and the directory it writes for
+vLLM on such a base names the modules as the checkpoint (model.language_model.*) and keeps PEFT's fused expert
+layout. vLLM fills every buffer from it as trained; the same tensors under the text model's names it loads and
+applies nowhere, and per-expert keys it refuses.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 from conftest import build_random_tiny, load_fp32
 from safetensors.torch import load_file
 from test_expert_lora import build_hybrid_tiny
+from test_vlm_checkpoint import build_vlm_tiny
 from transformers import AutoConfig
 
 from mint.config import LoraConfig
@@ -54,6 +62,8 @@ HYBRID = {
     "qwen3_5_text": ATTENTION + GDN_35 + MLP,
 }
 TARGETS |= HYBRID
+VLM = {"qwen3_5_moe": ATTENTION + GDN_35, "qwen3_5": ATTENTION + GDN_35 + MLP}  # the VLM checkpoints, by model_type
+TARGETS |= VLM
 MOE = ("qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3_next", "qwen3_5_moe_text")
 # vLLM packs q/k/v into qkv_proj and gate/up into gate_up_proj (slices in this order); other projections keep a name
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
@@ -99,7 +109,7 @@ def vllm_loads(engine_python, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("vllm_lora")
     cases, argv = {}, []
     for family in TARGETS:
-        build = build_hybrid_tiny if family in HYBRID else build_random_tiny
+        build = build_vlm_tiny if family in VLM else build_hybrid_tiny if family in HYBRID else build_random_tiny
         base = build(family, str(root / f"{family}-base"))
         model = _trained(base, family)
         tensors = lora_state(model)
@@ -115,6 +125,12 @@ def vllm_loads(engine_python, tmp_path_factory) -> dict:
                 unwritten[layout] = {"ok": False, "error": f"not written: {err}", "dump": None}
                 continue
             layouts[layout] = str(out)
+            argv += [base, str(out)]
+        if family in VLM:  # the trained tensors under the text model's names, as written before the VLM layout
+            out = root / f"{family}-text-names"
+            text = config.get_text_config()
+            write_adapter_dir(out, revision_id(tensors), tensors, adapter_config, {}, "peft", text)
+            layouts["text-names"] = str(out)
             argv += [base, str(out)]
         cases[family] = dict(base=base, config=config, tensors=tensors, adapter_config=adapter_config, chosen=chosen)
         cases[family].update(dirs=layouts, unwritten=unwritten)
@@ -141,23 +157,29 @@ def vllm_loads(engine_python, tmp_path_factory) -> dict:
     return cases
 
 
-def _expected(tensors: dict[str, torch.Tensor], config, scale: float) -> dict[str, torch.Tensor]:
+def _expected(
+    tensors: dict[str, torch.Tensor], config, scale: float, under: str = "", fused_w13: bool = False
+) -> dict[str, torch.Tensor]:
     """What vLLM's stacked buffers must hold (slot 0, under the script's `{module}.{buffer}.{slice}` names), from the
     trained PEFT tensors: PEFT keeps expert e's A as rows [e*r, (e+1)*r) of the fused lora_A and its B as columns
     e, e+E, ... of the fused lora_B; the fused expert parameter is experts.base_layer (gate_up_proj, out rows
-    [gate; up]) and experts (down_proj)."""
+    [gate; up]) and experts (down_proj). `under`: where vLLM's model class keeps the text model's modules
+    ("language_model." in a VLM class); `fused_w13`: the 3-D MoE wrapper, one w13 slice holding [gate; up]."""
+    config = config.get_text_config()
     E = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
     want = {}
     for key, a in tensors.items():
         if not key.endswith(".lora_A.weight"):
             continue
-        module = key.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
+        module = under + key.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
         b = tensors[key.replace(".lora_A.", ".lora_B.")] * scale
         if module.endswith(".mlp.experts.base_layer") or module.endswith(".mlp.experts"):
             prefix = module.removesuffix(".base_layer")
             a_E = a.reshape(E, -1, a.shape[-1])  # (E, r, in)
             b_E = b.reshape(b.shape[0], -1, E).permute(2, 0, 1)  # (E, out, r)
-            if module.endswith(".base_layer"):
+            if module.endswith(".base_layer") and fused_w13:
+                want[f"{prefix}.w13_lora_a_stacked.0"], want[f"{prefix}.w13_lora_b_stacked.0"] = a_E, b_E
+            elif module.endswith(".base_layer"):
                 inter = b_E.shape[1] // 2
                 want[f"{prefix}.w13_lora_a_stacked.0"] = want[f"{prefix}.w13_lora_a_stacked.1"] = a_E
                 want[f"{prefix}.w13_lora_b_stacked.0"] = b_E[:, :inter]
@@ -183,39 +205,46 @@ def test_vllm_loads_the_layout_mint_writes_for_it_as_trained(vllm_loads, family)
     case = vllm_loads[family]
     record = case["loaded"][case["chosen"]]
     assert record["ok"], f"vLLM refused the {case['chosen']} layout Mint writes for it: {record['error']}"
-    assert case["chosen"] == ("per-expert" if family in MOE else "peft")
+    assert case["chosen"] == ("per-expert" if family in MOE else "peft")  # the MoE VLM: 3-D experts, peft
     if family in MOE:  # the 2-D MoE LoRA wrapper, which is why per-expert is the layout it reads
         assert not case["vllm"]["is_3d_moe_weight"]
         assert ENGINE_EXPERT_LAYOUTS["vllm"][family] == ("per-expert",)
         experts = [m for m, cls in case["vllm"]["wrappers"].items() if m.endswith(".mlp.experts")]
         assert experts and all(case["vllm"]["wrappers"][m] == "FusedMoEWithLoRA" for m in experts)
-    held = load_file(record["dump"])
+    _assert_holds_as_trained(case, load_file(record["dump"]))
+    if family in MOE:
+        _assert_expert_deltas_match_peft_merge(case, load_file(record["dump"]))
+
+
+def _assert_holds_as_trained(case: dict, held: dict[str, torch.Tensor]) -> None:
+    """Every buffer Mint trained holds the trained factor bit for bit, and every other buffer is zero."""
     scale = case["adapter_config"]["lora_alpha"] / case["adapter_config"]["r"]
-    want = _expected(case["tensors"], case["config"], scale)
+    prefix = "language_model." if case["vllm"]["model_class"].endswith("ForConditionalGeneration") else ""
+    want = _expected(case["tensors"], case["config"], scale, prefix, fused_w13=case["vllm"]["is_3d_moe_weight"])
     assert set(want) <= set(held), f"vLLM has no buffer for {sorted(set(want) - set(held))[:4]}"
     for key, value in want.items():
         torch.testing.assert_close(held[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
     untrained = [k for k in set(held) - set(want) if held[k].any()]
     assert not untrained, f"vLLM put LoRA on modules Mint did not train: {sorted(untrained)[:4]}"
-    if family in MOE:
-        _assert_expert_deltas_match_peft_merge(case, held)
 
 
 def _assert_expert_deltas_match_peft_merge(case: dict, held: dict[str, torch.Tensor]) -> None:
     """Per expert, vLLM's B @ A (gate and up stacked as the fused rows, then down) equals the delta PEFT's merge puts
-    on the fused parameter of the transformers model: fp32 sums of r = 8 products of ~0.05^2 terms, off by rounding."""
+    on the fused parameter of the transformers model: fp32 sums of r = 8 products of ~0.05^2 terms, off by rounding.
+    vLLM's 3-D wrapper holds gate and up as one w13 slice; a VLM class keeps the text model under language_model."""
     base = dict(load_fp32(case["base"]).named_parameters())
     merged = dict(merged_model(case["tensors"], case["adapter_config"], case["base"]).named_parameters())
     prefixes = sorted({k.split(".w13_")[0] for k in held if ".w13_lora_a_stacked." in k})
     assert prefixes
     for prefix in prefixes:
-        gate = held[f"{prefix}.w13_lora_b_stacked.0"] @ held[f"{prefix}.w13_lora_a_stacked.0"]
-        up = held[f"{prefix}.w13_lora_b_stacked.1"] @ held[f"{prefix}.w13_lora_a_stacked.1"]
+        w13 = [held[f"{prefix}.w13_lora_b_stacked.{i}"] @ held[f"{prefix}.w13_lora_a_stacked.{i}"] for i in (0, 1)
+               if f"{prefix}.w13_lora_a_stacked.{i}" in held]  # fmt: skip
         down = held[f"{prefix}.w2_lora_b_stacked.0"] @ held[f"{prefix}.w2_lora_a_stacked.0"]
-        for name, got in (("gate_up_proj", torch.cat([gate, up], dim=1)), ("down_proj", down)):
-            delta = merged[f"{prefix}.{name}"] - base[f"{prefix}.{name}"]
+        for name, got in (("gate_up_proj", torch.cat(w13, dim=1)), ("down_proj", down)):
+            param = f"{prefix.removeprefix('language_model.')}.{name}"
+            delta = merged[param] - base[param]
             assert delta.abs().max() > 1e-3  # the LoRA moved the weights, so the comparison means something
-            torch.testing.assert_close(got, delta, rtol=0, atol=1e-6, msg=lambda m, n=f"{prefix}.{name}": f"{n}: {m}")
+            torch.testing.assert_close(got, delta, rtol=0, atol=1e-6, msg=lambda m, n=param: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("family", MOE)
@@ -241,3 +270,34 @@ def test_glm4_moe_expert_lora_was_written_fused_which_vllm_refuses(vllm_loads):
     assert not case["loaded"][case["chosen"]]["error"], case["loaded"][case["chosen"]]["error"]
     assert case["chosen"] == "per-expert" and case["loaded"]["per-expert"]["ok"]
     assert REFUSED_FUSED in case["loaded"]["peft"]["error"]
+
+
+@pytest.mark.parametrize("family", list(VLM))
+def test_vllm_vlm_class_holds_the_adapter_mint_writes_on_a_vlm_checkpoint(vllm_loads, family):
+    """A Qwen3.5(-MoE) VLM checkpoint: vLLM builds Qwen3_5{Moe}ForConditionalGeneration (the MoE one with the 3-D
+    expert wrapper), and the directory Mint writes for it (peft: fused experts; names model.language_model.*) fills
+    every buffer Mint trained (attention, the Gated DeltaNet projections, the experts) bit for bit and no other; the
+    same tensors under the text model's names (model.layers.*) fill none, though vLLM accepts them."""
+    case = vllm_loads[family]
+    moe = family == "qwen3_5_moe"
+    assert case["vllm"]["model_class"] == f"Qwen3_5{'Moe' if moe else ''}ForConditionalGeneration"
+    assert case["vllm"]["is_3d_moe_weight"] == moe and ENGINE_EXPERT_LAYOUTS["vllm"].get(family, ("peft",)) == ("peft",)
+    experts = [m for m, cls in case["vllm"]["wrappers"].items() if m.endswith(".mlp.experts")]
+    assert all(case["vllm"]["wrappers"][m] == "FusedMoE3DWithLoRA" for m in experts) and len(experts) == 4 * moe
+    assert case["chosen"] == "peft"
+    record = case["loaded"]["peft"]
+    assert record["ok"], f"vLLM refused the layout Mint writes for it: {record['error']}"
+    held = load_file(record["dump"])
+    _assert_holds_as_trained(case, held)
+    trained = {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in case["tensors"]} - {"experts", "base_layer"}
+    assert trained == set(TARGETS[family]) - ({"gate_proj", "up_proj", "down_proj"} if moe else set())
+    filled = {k.split(".lora_")[0].split(".w")[0].rsplit(".", 1)[-1] for k, v in held.items() if v.any()}
+    assert filled >= {"qkv_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"} | ({"experts"} if moe else set())
+    if moe:
+        _assert_expert_deltas_match_peft_merge(case, held)
+    text_names = case["loaded"]["text-names"]  # vLLM accepts these and applies them nowhere
+    assert not text_names["ok"] or not any(t.any() for t in load_file(text_names["dump"]).values()), text_names
+    if moe:  # per-expert keys the 3-D wrapper does not take: vLLM refuses them, and so does engine_layout
+        assert "expected target modules" in case["loaded"]["per-expert"]["error"]
+        with pytest.raises(MintError, match="vllm reads qwen3_5_moe expert LoRA in the peft layout, not per-expert"):
+            engine_layout("per-expert", case["adapter_config"], case["config"], engine="vllm")

@@ -23,7 +23,9 @@ Engine directories: a rollout actor writes each revision in the layout its engin
 `ENGINE_EXPERT_LAYOUTS`, the table of what each engine reads per family; `write_adapter_dir`), and `mint serve` reads
 either layout back (`read_adapter_dir`). A per-expert directory records the trained (fused) revision's id and adapter
 config in mint_revision.json, so a reader fuses it back and checks the hash against that id: the per-expert tensors
-themselves hash to something else.
+themselves hash to something else. On a vision-language base (`mint.models.specs.VLM_TEXT_MODEL_TYPES`: Mint trains
+its text model, keys model.layers.*) the directory names the modules as the checkpoint does, model.language_model.*
+(`VLM_MODULE_PREFIX`, recorded in mint_revision.json so a reader renames them back).
 """
 
 from __future__ import annotations
@@ -69,9 +71,9 @@ _PEFT_PREFIX = "base_model.model."
 # `is_3d_moe_weight` False gets the 2-D MoE LoRA wrapper, which takes per-expert keys (experts.{e}.gate_proj, ...)
 # and refuses the fused PEFT layout (unless the server runs --enable-mixed-moe-lora-format and each load request says
 # is_3d_lora_weight, which Mint's load call does not); one that sets it True takes only the fused layout. vLLM serves
-# a qwen3_next checkpoint as Qwen3NextForCausalLM and a qwen3_5_moe_text one as Qwen3_5MoeForCausalLM (both 2-D).
-# SGLang's loader takes per-expert keys for every FusedMoE (sglang/srt/lora/lora.py). `mint serve` fuses a per-expert
-# directory back, so it reads both.
+# a qwen3_next checkpoint as Qwen3NextForCausalLM and a qwen3_5_moe_text one as Qwen3_5MoeForCausalLM (both 2-D), and
+# the qwen3_5_moe VLM checkpoint as Qwen3_5MoeForConditionalGeneration (3-D). SGLang's loader takes per-expert keys
+# for every FusedMoE (sglang/srt/lora/lora.py). `mint serve` fuses a per-expert directory back, so it reads both.
 ENGINE_EXPERT_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm": {
         "qwen2_moe": ("per-expert",),
@@ -79,28 +81,30 @@ ENGINE_EXPERT_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
         "glm4_moe": ("per-expert",),
         "qwen3_next": ("per-expert",),
         "qwen3_5_moe_text": ("per-expert",),
-        # is_3d_moe_weight = True (Qwen3VLMoeForConditionalGeneration, GptOssForCausalLM); Mint does not train these
-        # yet, and `split_experts` would refuse them anyway
-        "qwen3_vl_moe": ("peft",),
+        "qwen3_5_moe": ("peft",),  # the VLM checkpoint, under VLM_MODULE_PREFIX
+        "qwen3_vl_moe": ("peft",),  # is_3d_moe_weight = True, as gpt_oss; Mint does not train these two yet
         "gpt_oss": ("peft",),
     },
     "sglang": {family: ("per-expert",) for family in PER_EXPERT_FAMILIES},
     "mint": {family: ("peft", "per-expert") for family in PER_EXPERT_FAMILIES},  # `mint serve`
 }
 
-# Families an engine is handed no adapter for at all, LoRA on experts or not, with the reason in one line. A Qwen3.5
-# VLM checkpoint (model_type qwen3_5_moe / qwen3_5) is served as Qwen3_5{Moe}ForConditionalGeneration, whose LoRA
-# modules live under language_model.model.layers and whose name mapper rewrites only model.language_model.*; Mint
-# trains transformers' Qwen3_5{Moe}ForCausalLM (adapter keys model.layers.*), whose names that class would match by
-# suffix at load and then find no module for: the adapter would load and do nothing.
-ENGINE_REFUSED_FAMILIES: dict[str, dict[str, str]] = {
-    engine: {
-        vlm: f"{engine} serves a {vlm} checkpoint as its vision-language class, which would not apply LoRA trained on "
-        f"the text model (keys model.layers.*); serve the text checkpoint ({vlm}_text)"
-        for vlm in ("qwen3_5_moe", "qwen3_5")
-    }
-    for engine in ("vllm", "sglang")
-}
+# Families an engine is handed no adapter for at all, with the reason in one line. No test runs SGLang's loader on a
+# Qwen3.5 VLM checkpoint (Qwen3_5{Moe}ForConditionalGeneration there), so SGLang is not handed one.
+_SGLANG_VLM = "sglang: LoRA on a {} VLM checkpoint is unchecked; use vllm, or serve the text checkpoint ({}_text)"
+ENGINE_REFUSED_FAMILIES = {"sglang": {vlm: _SGLANG_VLM.format(vlm, vlm) for vlm in ("qwen3_5_moe", "qwen3_5")}}
+
+# vLLM's Qwen3_5{Moe}ForConditionalGeneration has its LoRA modules under language_model.model.layers; its
+# hf_to_vllm_mapper (applied to LoRA keys after base_model.model. is dropped) maps the checkpoint's own names,
+# model.language_model.*, there, and Mint's text-model keys (model.layers.*) nowhere.
+VLM_MODULE_PREFIX = "model.language_model."
+
+
+def vlm_names(tensors: dict, back: bool = False) -> dict:
+    """Text-model adapter keys base_model.model.model.* -> the VLM checkpoint's base_model.model.model.language_model.*
+    (`back`: the inverse). Keys outside the decoder (none that Mint trains) pass through."""
+    old, new = (_PEFT_PREFIX + "model.", _PEFT_PREFIX + VLM_MODULE_PREFIX)[:: -1 if back else 1]
+    return {new + k[len(old) :] if k.startswith(old) else k: v for k, v in tensors.items()}
 
 
 @dataclass(frozen=True)
@@ -223,6 +227,13 @@ def expert_loras(base_config, adapter_config: dict) -> list[ExpertLora]:
     return list(_EXPERT_LORAS[key])
 
 
+def _text_family(config) -> str:
+    """The model_type of the model Mint trains on a base of `config`: a VLM checkpoint's text model's."""
+    from mint.models.specs import vlm_text_model_type
+
+    return vlm_text_model_type(config) or getattr(config, "model_type", "")
+
+
 def _expert_prefix(module: str) -> str:
     """base_model.model.model.layers.0.mlp.experts.base_layer -> base_model.model.model.layers.0.mlp.experts"""
     while module.endswith(".base_layer"):
@@ -234,7 +245,7 @@ def split_experts(
     tensors: dict[str, torch.Tensor], adapter_config: dict, base_config
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Fused 3-D expert LoRA -> per-expert 2-D LoRA (see the module docstring); other keys pass through."""
-    family = getattr(base_config, "model_type", "")
+    family = _text_family(base_config)
     experts = expert_loras(base_config, adapter_config)
     if experts and family not in PER_EXPERT_FAMILIES:
         raise MintError(f"per-expert export knows the layout of {', '.join(PER_EXPERT_FAMILIES)}, not {family}")
@@ -304,6 +315,8 @@ def engine_layout(requested: str, adapter_config: dict, base_config, engine: str
     "peft" (as trained) or "per-expert".
 
     A family the engine cannot apply Mint's LoRA on at all (`ENGINE_REFUSED_FAMILIES`) is refused in one line first.
+    `base_config` is the base checkpoint's own config (config.json): a VLM one names the family its engine class
+    reads (qwen3_5_moe: 3-D experts, peft), and `write_adapter_dir` then writes the VLM's module names.
     Without LoRA on fused experts both layouts hold the same keys: auto gives peft, and either request stands. With
     it, auto gives what `ENGINE_EXPERT_LAYOUTS` says the engine reads for the base's family (peft for a family not in
     the table: the trained layout, which `mint serve` reads), and an explicit layout that engine does not read, or a
@@ -324,7 +337,7 @@ def engine_layout(requested: str, adapter_config: dict, base_config, engine: str
         return reads[0] if reads else "peft"
     if reads and requested not in reads:
         raise MintError(f"{engine} reads {family} expert LoRA in the {' or '.join(reads)} layout, not {requested}")
-    if requested == "per-expert" and family not in PER_EXPERT_FAMILIES:
+    if requested == "per-expert" and _text_family(base_config) not in PER_EXPERT_FAMILIES:
         raise MintError(f"per-expert knows the layout of {', '.join(PER_EXPERT_FAMILIES)}, not {family}; use peft")
     return requested
 
@@ -341,7 +354,9 @@ def write_adapter_dir(
     """Write revision `revision` (its trained tensors and adapter config) as an engine's adapter directory in
     `layout` ("peft" or "per-expert"), atomically through `write_revision_dir`. An existing target is kept and not
     split again. mint_revision.json records `meta`, the format, and the trained revision's id; a per-expert one also
-    records the trained adapter config (`lora_config`), which `read_adapter_dir` needs to fuse it back."""
+    records the trained adapter config (`lora_config`), which `read_adapter_dir` needs to fuse it back. On a VLM
+    base (`base_config` the checkpoint's own) the keys take the checkpoint's names (`vlm_names`), recorded as
+    `module_prefix`; the adapter config's targets are module suffixes and match under either name."""
     target = Path(target)
     if target.exists():
         return target
@@ -353,6 +368,9 @@ def write_adapter_dir(
         engine_config = adapter_config
     else:
         raise MintError(f"adapter layout {layout!r} is not peft or per-expert")
+    if _text_family(base_config) != getattr(base_config, "model_type", ""):
+        tensors = vlm_names(tensors)
+        record["module_prefix"] = VLM_MODULE_PREFIX
     write_revision_dir(target, tensors, engine_config, record, revision=revision)
     return target
 
@@ -364,6 +382,8 @@ def read_adapter_dir(path: str | Path, base_config) -> tuple[dict[str, torch.Ten
     path = Path(path)
     tensors, config, meta = read_revision_files(path)
     fmt = meta.get("format", "peft")
+    if meta.get("module_prefix") == VLM_MODULE_PREFIX:  # written for a VLM base; any other name fails the hash
+        tensors = vlm_names(tensors, back=True)
     if fmt == "per-expert":
         trained = meta.get("lora_config")
         if not isinstance(trained, dict) or not trained:

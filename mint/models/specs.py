@@ -159,6 +159,12 @@ def _tiny_glm4_moe(vocab_size: int, **overrides) -> Glm4MoeConfig:
     return Glm4MoeConfig(**config)
 
 
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The language model's config: a vision-language checkpoint's text_config (its sizes, experts and layers live
+    there), else `config` itself."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def moe_layers(config: PretrainedConfig) -> list[int]:
     """Indices of the decoder layers whose MLP is a routed-expert block, in model order ([] for a dense model).
 
@@ -166,6 +172,7 @@ def moe_layers(config: PretrainedConfig) -> list[int]:
     below it), Qwen-MoE `mlp_only_layers` (listed layers) and `decoder_sparse_step` (MoE only where (i + 1) % step
     == 0). Each rule is read only where the config has it, so one family's default never applies to another.
     """
+    config = text_config(config)
     num_experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
     if not num_experts:
         return []
@@ -178,6 +185,7 @@ def moe_layers(config: PretrainedConfig) -> list[int]:
 def moe_layout(config: PretrainedConfig) -> ExpertLayout | None:
     """The expert layout of a sparse-MoE config, or None for a dense model. num_layers counts MoE layers only (the
     learner's routes); layer_ids and num_decoder_layers place them among all decoder layers (the engines' routes)."""
+    config = text_config(config)
     layers = moe_layers(config)
     if not layers:
         return None

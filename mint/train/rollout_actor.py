@@ -125,7 +125,7 @@ class RolloutActor:
 
         from mint.config import run_dir
         from mint.hub import base_fingerprint
-        from mint.models.specs import moe_layout
+        from mint.models.specs import moe_layout, text_config
         from mint.rollout.backends import http_backend
 
         r, e = config.rollout, config.engines
@@ -146,7 +146,7 @@ class RolloutActor:
         # refused an explicit layout the engine cannot read; this is the same check, for an actor started alone.
         self.base_config = model_config
         self.adapter_layout = engine_adapter_layout(config, model_config, self.adapter_config)
-        return model_config.max_position_embeddings
+        return text_config(model_config).max_position_embeddings
 
     def pid(self) -> int:
         import os

@@ -54,6 +54,9 @@ def runner_for(base: str, rank: int) -> CPUModelRunner:
         max_num_seqs=2,
         max_num_batched_tokens=64,
         skip_tokenizer_init=True,
+        # a VLM checkpoint (Qwen3_5MoeForConditionalGeneration) builds its multimodal processor from a tokenizer, which
+        # the tiny bases lack: the text path only, as `--language-model-only` serves it (no effect on a text model)
+        language_model_only=True,
     )
     return cpu_model_runner(args)[1]
 
