@@ -36,7 +36,7 @@ from longstraw._cp_collectives import (
 from longstraw.adapters import Adapter, KVState, adapter_for
 from longstraw.adapters.base import IntoBuffer
 from longstraw.adapters.hybrid import HybridQwenAdapter
-from longstraw.adapters.qwen import _FORCE, QwenAdapter
+from longstraw.adapters.qwen import _FORCE, QwenAdapter, surrogate_backward
 from longstraw.errors import LongStrawError
 
 __all__ = [
@@ -286,13 +286,9 @@ class ContextParallel:
                 _, kv = self._layers(tokens_S[start:end], start, self._prefixes(state, start, grad), 0, full=False)
             if meter is not None:
                 graph_bytes = max(graph_bytes, chunk_meter.nbytes)
-            pairs = [(out, g[j, i]) for i, kv_i in enumerate(kv) for j, out in enumerate(kv_i) if out.requires_grad]
-            if pairs:
-                surrogate = sum((out * gi.to(out.dtype)).sum() for out, gi in pairs)
-                if backward is None:
-                    surrogate.backward()
-                else:
-                    backward(surrogate, start == 0, True)
+            pairs = [(out, g[j, i].to(out.dtype)) for i, kv_i in enumerate(kv) for j, out in enumerate(kv_i)
+                     if out.requires_grad]  # fmt: skip
+            surrogate_backward(pairs, start == 0, backward)
             del kv, pairs, g
         return graph_bytes
 

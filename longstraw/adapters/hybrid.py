@@ -31,7 +31,7 @@ from torch import nn
 from longstraw.adapters.base import KVState, LayeredState, RecurrentState
 from longstraw.adapters.gated_deltanet import DeltaNetDims, DeltaNetPrefix, deltanet, is_deltanet
 from longstraw.adapters.glm import _partial_rope
-from longstraw.adapters.qwen import _FORCE, KVPrefix, QwenAdapter
+from longstraw.adapters.qwen import _FORCE, KVPrefix, QwenAdapter, surrogate_backward
 from longstraw.errors import LongStrawError
 
 FAMILIES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen3_5", "qwen3_5_text")
@@ -107,24 +107,6 @@ class HybridQwenAdapter(QwenAdapter):
                 return None, a, b
             mixed = self._attend(_GatedOutput(attn, gate), q, a, b, prefix)
         return self._mlp(layer, h + mixed), a, b
-
-    def _layers(self, tokens_T: torch.Tensor, start: int, prefixes: list, constant_rows: int, full: bool):
-        """As QwenAdapter._layers, over both kinds of layer: (hidden or None, per layer the pair _layer returns)."""
-        if self.on_positions is not None:
-            self.on_positions(start, tokens_T.shape[-1])
-        h = self.decoder.embed_tokens(tokens_T)
-        cos, sin = self._rope(h, start)
-        checkpointed = torch.is_grad_enabled() and 0 < self.checkpoint_min_tokens <= tokens_T.shape[-1]
-        outs = []
-        for i, layer in enumerate(self.decoder.layers):
-            last = not full and i == self.num_layers - 1
-            args = (layer, h, cos, sin, prefixes[i], constant_rows, last)
-            if checkpointed:
-                h, a, b = torch.utils.checkpoint.checkpoint(self._layer, *args, use_reentrant=False)
-            else:
-                h, a, b = self._layer(*args)
-            outs.append((a, b))
-        return (None if not full else self.decoder.norm(h)), outs
 
     def _slots(self) -> list[tuple[str, int]]:
         """(kind, index within the kind's part of the state) per layer, in model order."""
@@ -203,19 +185,13 @@ class HybridQwenAdapter(QwenAdapter):
         intra-chunk attention) and ~12 of width d (q, k, v and their decayed and beta-scaled copies). That padding
         makes a short replay cost a whole chunk. flash-linear-attention (CUDA) saves less, so there the estimate is
         conservative. Tested against the metered bytes in tests/test_hybrid.py."""
-        config, hd = self.config, self.config.hidden_size
+        hd = self.config.hidden_size
         attention = hd + (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        moe_i = getattr(config, "moe_intermediate_size", 0)
-        shared = getattr(config, "shared_expert_intermediate_size", 0)
-        experts = getattr(config, "num_experts", 0)
-        moe = getattr(config, "num_experts_per_tok", 0) * (hd + 3 * moe_i) + experts
-        moe += hd + 3 * shared if shared else 0
-        dense = hd + 3 * getattr(config, "intermediate_size", 0)
         size = self.decoder.embed_tokens.weight.element_size()
         padded = -(-tokens // 64) * 64
         total = 3 * hd * size * tokens
         for kind, layer in zip(self.layer_types, self.decoder.layers, strict=True):
-            mlp = moe if hasattr(layer.mlp, "experts") else dense
+            mlp = self._mlp_width(layer)
             if kind == FULL:
                 total += 3 * (attention + mlp) * size * tokens
             else:
@@ -284,12 +260,7 @@ class HybridQwenAdapter(QwenAdapter):
                     if out.requires_grad:
                         outputs.append(out)
                         grads.append(g.to(out.dtype))
-            if outputs:
-                surrogate = sum((out * g).sum() for out, g in zip(outputs, grads, strict=True))
-                if backward is None:
-                    surrogate.backward()
-                else:
-                    backward(surrogate, start == 0, True)
+            surrogate_backward(list(zip(outputs, grads, strict=True)), start == 0, backward)
             del outs, outputs, grads
             if carry is not None:
                 d_state = carry  # d(loss)/d(state at this chunk's start) = d(loss)/d(state at the previous one's end)

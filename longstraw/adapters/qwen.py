@@ -35,6 +35,19 @@ class KVPrefix(NamedTuple):
     grad_v: torch.Tensor | None = None
 
 
+def surrogate_backward(pairs: list[tuple[torch.Tensor, torch.Tensor]], last: bool, backward=None) -> None:
+    """Back-propagate gradients g given for outputs `out` of a prompt chunk's recompute: <out, g> summed is a scalar
+    whose gradient w.r.t. each out is g, so one scalar backward per chunk does it, and a framework that only
+    back-propagates losses (DeepSpeed) can run it. Nothing to do without pairs."""
+    if not pairs:
+        return
+    surrogate = sum((out * g).sum() for out, g in pairs)
+    if backward is None:
+        surrogate.backward()
+    else:
+        backward(surrogate, last, True)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -178,19 +191,22 @@ class QwenAdapter(Adapter):
         block, 3 x (hidden + 3 I) per dense one, and 3 x hidden for the head. The factor 3 covers what norms, LoRA
         and routing save beside the matmul inputs. On the tiny Qwen3-MoE, Qwen2-MoE and GLM-4.5 this is 1x to 2x
         the metered bytes (tests/test_replay_batch.py)."""
-        config, hd = self.config, self.config.hidden_size
+        hd = self.config.hidden_size
         attention = hd + (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        per_token = sum(3 * (attention + self._mlp_width(layer)) for layer in self.decoder.layers)
+        return rows * tokens * (per_token + 3 * hd) * self.decoder.embed_tokens.weight.element_size()
+
+    def _mlp_width(self, layer: nn.Module) -> int:
+        """Per token, the widths a layer's MLP saves for backward (see replay_graph_bytes): k x (hidden + 3 I) + E,
+        plus hidden + 3 I_s for a shared expert, in an MoE block; hidden + 3 I in a dense one."""
+        config, hd = self.config, self.config.hidden_size
+        if not hasattr(layer.mlp, "experts"):
+            return hd + 3 * getattr(config, "intermediate_size", 0)
         moe_i = getattr(config, "moe_intermediate_size", 0)
         experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", 0)
         shared = getattr(config, "shared_expert_intermediate_size", 0) or getattr(config, "n_shared_experts", 0) * moe_i
-        moe = (
-            getattr(config, "num_experts_per_tok", 0) * (hd + 3 * moe_i) + experts + (hd + 3 * shared if shared else 0)
-        )
-        dense = hd + 3 * getattr(config, "intermediate_size", 0)
-        per_token = sum(
-            3 * (attention + (moe if hasattr(layer.mlp, "experts") else dense)) for layer in self.decoder.layers
-        )
-        return rows * tokens * (per_token + 3 * hd) * self.decoder.embed_tokens.weight.element_size()
+        width = getattr(config, "num_experts_per_tok", 0) * (hd + 3 * moe_i) + experts
+        return width + (hd + 3 * shared if shared else 0)
 
     def capture(self, tokens_S: torch.Tensor, chunk_size: int) -> KVState:
         s_len = tokens_S.shape[0]
@@ -243,13 +259,6 @@ class QwenAdapter(Adapter):
                     if out.requires_grad:
                         outputs.append(out)
                         grads.append(g.to(out.dtype))
-            if outputs:
-                # <out, g> summed is a scalar whose gradient w.r.t. each out is g: one scalar backward per chunk,
-                # so a framework that only back-propagates losses (DeepSpeed) can run it.
-                surrogate = sum((out * g).sum() for out, g in zip(outputs, grads, strict=True))
-                if backward is None:
-                    surrogate.backward()
-                else:
-                    backward(surrogate, start == 0, True)
+            surrogate_backward(list(zip(outputs, grads, strict=True)), start == 0, backward)
             del kv, outputs, grads
         return graph_bytes
