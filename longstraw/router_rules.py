@@ -36,10 +36,18 @@ ROUTER_RULES: dict[str, RouterRule] = {
     "Qwen3MoeTopKRouter": _SOFTMAX_BY_FLAG,
     "Qwen3NextTopKRouter": _SOFTMAX_BY_FLAG,
     "Qwen3_5MoeTopKRouter": RouterRule(sigmoid=False, renormalize="always"),
-    # Ranks by sigmoid + e_score_correction_bias within the best groups; weighs by the unbiased sigmoid.
-    "Glm4MoeTopkRouter": RouterRule(
-        sigmoid=True, renormalize="norm_topk_prob", eps=1e-20, scale="routed_scaling_factor"
-    ),
+    # Ranks by sigmoid + e_score_correction_bias within the best groups; weighs by the unbiased sigmoid. The
+    # DeepSeek-V3 router and the MLA families built on it (GLM-4.7-Flash, DeepSeek-V3.2, GLM-5) run the same forward.
+    **{
+        name: RouterRule(sigmoid=True, renormalize="norm_topk_prob", eps=1e-20, scale="routed_scaling_factor")
+        for name in (
+            "Glm4MoeTopkRouter",
+            "DeepseekV3TopkRouter",
+            "Glm4MoeLiteTopkRouter",
+            "DeepseekV32TopkRouter",
+            "GlmMoeDsaTopkRouter",
+        )
+    },
     # Ranks by sigmoid + the block's bias; weighs by the unbiased sigmoid, always renormalized.
     "MiniMaxM2TopKRouter": RouterRule(sigmoid=True, renormalize="always"),
 }

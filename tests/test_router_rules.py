@@ -13,7 +13,11 @@ import pytest
 import torch
 import transformers
 from torch import nn
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32TopkRouter
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import Glm4MoeLiteTopkRouter
+from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaTopkRouter
 from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
@@ -48,6 +52,19 @@ ROUTERS = [
         for f in (True, False)
     ],
     (MiniMaxM2TopKRouter, transformers.MiniMaxM2Config(**MOE, num_local_experts=E)),
+    *[
+        (
+            cls,
+            config_cls(**MOE, n_routed_experts=E, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=f),
+        )
+        for cls, config_cls in (
+            (DeepseekV3TopkRouter, transformers.DeepseekV3Config),
+            (Glm4MoeLiteTopkRouter, transformers.Glm4MoeLiteConfig),
+            (DeepseekV32TopkRouter, transformers.DeepseekV32Config),
+            (GlmMoeDsaTopkRouter, transformers.GlmMoeDsaConfig),
+        )
+        for f in (True, False)
+    ],
 ]
 
 
@@ -118,12 +135,10 @@ def test_a_router_without_a_rule_is_recorded_but_never_replayed():
 
 def test_preflight_refuses_route_replay_on_a_base_whose_router_has_no_rule():
     small = dict(hidden_size=H, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
-    deepseek = transformers.DeepseekV3Config(
-        **small, n_routed_experts=E, num_experts_per_tok=K, first_k_dense_replace=0
-    )
+    gpt_oss = transformers.GptOssConfig(**small, num_local_experts=E, num_experts_per_tok=K)
     with pytest.raises(ConfigError) as err:
-        check_route_replay(deepseek)
-    assert str(err.value).startswith("grpo.r3: DeepseekV3TopkRouter: route replay does not know")
+        check_route_replay(gpt_oss)
+    assert str(err.value).startswith("grpo.r3: GptOssTopKRouter: route replay does not know")
     assert "\n" not in str(err.value)
     check_route_replay(transformers.Qwen3_5MoeTextConfig(**small, num_experts=E, num_experts_per_tok=K))
     check_route_replay(transformers.Qwen3Config(**small))  # dense: no routers, nothing to replay

@@ -11,6 +11,7 @@ from torch import nn
 from longstraw.adapters.base import Adapter, KVState, LayeredState, PrefixState, RecurrentState
 from longstraw.adapters.glm import GlmAdapter
 from longstraw.adapters.hybrid import HybridQwenAdapter
+from longstraw.adapters.mla import MlaAdapter
 from longstraw.adapters.qwen import QwenAdapter
 from longstraw.errors import LongStrawError
 
@@ -21,6 +22,7 @@ ADAPTERS: dict[str, type[Adapter]] = {
     "qwen2": QwenAdapter,
     "glm4_moe": GlmAdapter,
     **{family: HybridQwenAdapter for family in HybridQwenAdapter.families},
+    **{family: MlaAdapter for family in MlaAdapter.families},
 }
 
 __all__ = ["ADAPTERS", "Adapter", "KVState", "LayeredState", "PrefixState", "RecurrentState", "adapter_for"]

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Glm4MoeConfig,
+    Glm4MoeLiteConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
     Qwen3_5MoeTextConfig,
@@ -26,6 +28,9 @@ from mint.errors import ConfigError
 TINY_PREFIX = "tiny:"
 TINY_FAMILIES = ("qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3", "qwen3_5_moe", "qwen3_next", "qwen3_5")
 HYBRID_FAMILIES = ("qwen3_5_moe", "qwen3_next", "qwen3_5")  # Gated DeltaNet + gated full attention, 3:1
+# Multi-head latent attention MoE (DeepSeek-V3, GLM-4.7-Flash); configs only: no shipped base yet, so not in
+# TINY_FAMILIES (a `tiny:` spec needs a shipped or buildable base).
+MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,6 +59,8 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
     """
     if family in HYBRID_FAMILIES:
         return _tiny_hybrid(family, vocab_size, **overrides)
+    if family in MLA_FAMILIES:
+        return _tiny_mla(family, vocab_size, **overrides)
     if family == "glm4_moe":
         return _tiny_glm4_moe(vocab_size, **overrides)
     if family == "qwen3":
@@ -170,12 +177,17 @@ def moe_layers(config: PretrainedConfig) -> list[int]:
 
     A layer is dense when any of the families' rules says so: GLM / DeepSeek-V3 `first_k_dense_replace` (layers
     below it), Qwen-MoE `mlp_only_layers` (listed layers) and `decoder_sparse_step` (MoE only where (i + 1) % step
-    == 0). Each rule is read only where the config has it, so one family's default never applies to another.
+    == 0). Each rule is read only where the config has it, so one family's default never applies to another. A
+    config with `mlp_layer_types` (GLM-4.7-Flash, GLM-5: "dense" / "sparse" per layer) says it per layer, and that
+    list is what its decoder builds from.
     """
     config = text_config(config)
     num_experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
     if not num_experts:
         return []
+    kinds = getattr(config, "mlp_layer_types", None)
+    if kinds:
+        return [i for i, kind in enumerate(kinds[: config.num_hidden_layers]) if kind == "sparse"]
     first_moe = getattr(config, "first_k_dense_replace", None) or 0
     step = getattr(config, "decoder_sparse_step", None) or 1
     dense = set(getattr(config, "mlp_only_layers", None) or [])
@@ -197,6 +209,27 @@ def moe_layout(config: PretrainedConfig) -> ExpertLayout | None:
         layer_ids=tuple(layers),
         num_decoder_layers=config.num_hidden_layers,
     )
+
+
+def _tiny_mla(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
+    """A tiny MLA MoE: 3 layers, the first dense (first_k_dense_replace / mlp_layer_types), 4 heads with q and kv
+    down-projections (q_lora_rank 32, kv_lora_rank 32), nope / rope / v head dims 16, interleaved RoPE as released;
+    V3-style routing: sigmoid with a score-correction bias, 2 groups of 2 experts (1 kept), top-2, routed scaling 2.5,
+    one shared expert."""
+    config = dict(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+        intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+        topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+        max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    if family == "glm4_moe_lite":
+        config.update(mlp_layer_types=["dense", "sparse", "sparse"])
+        config.update(overrides)
+        return Glm4MoeLiteConfig(**config)
+    config.update(first_k_dense_replace=1)
+    config.update(overrides)
+    return DeepseekV3Config(**config)
 
 
 # Vision-language checkpoints whose text model Mint trains: config.json model_type -> the text model's. The released
