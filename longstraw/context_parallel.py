@@ -36,12 +36,14 @@ from longstraw._cp_collectives import (
 from longstraw.adapters import Adapter, KVState, adapter_for
 from longstraw.adapters.base import IntoBuffer
 from longstraw.adapters.hybrid import HybridQwenAdapter
+from longstraw.adapters.mla import MlaAdapter
 from longstraw.adapters.qwen import _FORCE, QwenAdapter, surrogate_backward
 from longstraw.errors import LongStrawError
 
 __all__ = [
     "CPHybridQwenAdapter",
     "CPKVState",
+    "CPMlaAdapter",
     "CPQwenAdapter",
     "ContextParallel",
     "as_context_parallel",
@@ -252,7 +254,9 @@ class ContextParallel:
         bounds = page_bounds(s_len, ranks)
         lo, hi = bounds[rank(self.group)], bounds[rank(self.group) + 1]
         weight = self.decoder.embed_tokens.weight
-        local = KVState.empty(self.num_layers, self.num_kv_heads, hi - lo, self.head_dim, weight.dtype, weight.device)
+        local = self.pages.empty(
+            self.num_layers, self.num_kv_heads, hi - lo, self.head_dim, weight.dtype, weight.device
+        )
         state = CPKVState(local, lo, s_len, ranks)
         with torch.no_grad():
             for start in range(0, s_len, chunk_size):
@@ -346,6 +350,20 @@ class CPHybridQwenAdapter(ContextParallel, HybridQwenAdapter):
         return g[0], g[1]
 
 
+class CPMlaAdapter(ContextParallel, MlaAdapter):
+    """MlaAdapter with its latent pages split over `group`: the merge above runs on the absorbed form (one K/V head
+    of width kv_lora_rank + qk_rope_head_dim), then each rank up-projects the merged latent through W_uv."""
+
+    def _attend(self, attn, q, k, v, prefix: CPPrefix) -> torch.Tensor:
+        t = q.shape[-2]
+        out_H_T_D, _ = cp_prefix_attention(
+            q.reshape(self.num_heads, t, self.head_dim), prefix.k, prefix.v, k, v, attn.scaling,
+            include_own=prefix.include_own, dk_acc=prefix.grad_k, dv_acc=prefix.grad_v, group=self.group,
+            force=_FORCE[self.kernels],
+        )  # fmt: skip
+        return attn.o_proj(self._up(attn, out_H_T_D[..., : self.kv_lora_rank]).transpose(0, 1).reshape(t, -1))
+
+
 def as_context_parallel(adapter: Adapter, group=None) -> Adapter:
     """The context-parallel twin of a QwenAdapter-family adapter (QwenAdapter, GlmAdapter): same modules and
     settings (shared, not copied), pages split over `group`."""
@@ -370,7 +388,11 @@ def capture_cp(adapter: Adapter, tokens_S: torch.Tensor, chunk_size: int, group=
     return as_context_parallel(adapter, group).capture(tokens_S, chunk_size)
 
 
-_CP_CLASSES: dict[type, type] = {QwenAdapter: CPQwenAdapter, HybridQwenAdapter: CPHybridQwenAdapter}
+_CP_CLASSES: dict[type, type] = {
+    QwenAdapter: CPQwenAdapter,
+    HybridQwenAdapter: CPHybridQwenAdapter,
+    MlaAdapter: CPMlaAdapter,
+}
 
 
 def _cp_class(cls: type) -> type:

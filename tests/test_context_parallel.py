@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import build_random_tiny, lora_model
+from conftest import build_random_tiny, load_fp32, lora_model
 
 from longstraw.adapters import adapter_for
 from longstraw.context_parallel import (
@@ -297,3 +297,46 @@ def test_longstraw_cp_on_a_hybrid_base_equals_single_rank(family, mode, tmp_path
     replicated and carried back through the prompt on every rank; logprobs and LoRA gradients equal one rank's."""
     path = build_random_tiny(family, str(tmp_path / "model"))
     _spawn(_hybrid_worker, 2, tmp_path, path, mode)
+
+
+def _mla_worker(rank: int, world: int, path: str, mode: str) -> None:
+    from test_mla import TARGETS
+
+    from mint.config import LoraConfig
+    from mint.models.lora import add_lora
+
+    base = load_fp32(path)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    model = add_lora(base, LoraConfig(target_modules=TARGETS), seed=0)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    gen = torch.Generator().manual_seed(1)
+    tokens_P = torch.randint(0, model.config.vocab_size, (P,), generator=gen)
+    responses = [torch.randint(0, model.config.vocab_size, (r,), generator=gen) for r in LENGTHS]
+    spec = UpdateSpec(mode=mode, chunk_size=CHUNK, temperature=TEMPERATURE, need_ref=True, checkpoint_min_tokens=4)
+    want_logps, want_grads, _ = _run(model, tokens_P, responses, spec)
+    logps, grads, _ = _run(model, tokens_P, responses, spec, cp_adapter_for(model))
+    label = f"mla {mode} C={world} rank={rank}"
+    for got, want in zip(logps, want_logps, strict=True):
+        _close(got, want, f"{label} logp")
+    assert grads.keys() == want_grads.keys() and any("kv_b_proj" in n for n in grads)
+    for name in want_grads:
+        _close(grads[name], want_grads[name], f"{label} {name}", atol=1e-5, rtol=1e-4)
+    lo, hi = page_bounds(P - 1, world)[rank : rank + 2]
+    state = capture_cp(adapter_for(model), tokens_P[:-1], CHUNK)
+    full = adapter_for(model).capture(tokens_P[:-1], CHUNK)
+    _close(state.local.k_L_Hkv_S_D, full.k_L_Hkv_S_D[:, :, lo:hi], f"{label} latent pages")
+    assert state.nbytes * (P - 1) == full.nbytes * (hi - lo)  # this rank's latent pages, stored once
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, mode", [("deepseek_v3", "exact"), ("glm4_moe_lite", "detached")])
+def test_longstraw_cp_on_an_mla_base_equals_single_rank(family, mode, tmp_path):
+    """DeepSeek-V3 / GLM-4.7-Flash with CP=2: the latent pages split over the ranks and merged by LSE in the
+    absorbed form; logprobs and LoRA gradients (kv_b_proj's factored fold included) equal one rank's."""
+    path = build_random_tiny(family, str(tmp_path / "model"))
+    _spawn(_mla_worker, 2, tmp_path, path, mode)

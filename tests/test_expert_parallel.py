@@ -252,10 +252,12 @@ def _ep_model_rank(rank, world, path, state, replay_routes):
     model = _model(path, state)
     full_bytes = expert_bytes(model)
     full_experts = [weakref.ref(p) for n, p in model.named_parameters() if "mlp.experts" in n]
-    assert shard_experts(model, None) == model.config.num_hidden_layers
+    from mint.models.specs import moe_layers
+
+    assert shard_experts(model, None) == len(moe_layers(model.config))
     gc.collect()
     assert all(ref() is None for ref in full_experts)  # nothing holds the full stacks or the full factors any more
-    assert sum(is_sharded(m) for m in model.modules()) == model.config.num_hidden_layers
+    assert sum(is_sharded(m) for m in model.modules()) == len(moe_layers(model.config))
     logits, target = _forward(model, rank, replay_routes)
     (logits * target).sum().backward()
     for name, p in model.named_parameters():  # replicated LoRA: each rank's own tokens, summed as DP would
@@ -287,10 +289,11 @@ def test_ep_model_logits_and_lora_gradients_equal_one_rank(tmp_path, tiny_path, 
     _assert_ep_equals_one_rank(tmp_path, tiny_path, adapter_state, world, replay_routes)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
-def test_ep_on_a_hybrid_base_equals_one_rank(tmp_path, family):
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe_lite"])
+def test_ep_on_a_hybrid_or_mla_base_equals_one_rank(tmp_path, family):
     """The same on Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet layers, a sigmoid-gated shared expert beside the
-    routed ones), EP=2 with the R3 routes replayed."""
+    routed ones) and on DeepSeek-V3 and GLM-4.7-Flash (MLA, a dense first layer, V3-style routing), EP=2 with the
+    R3 routes replayed."""
     from conftest import build_random_tiny
 
     from mint.models.lora import lora_state

@@ -64,6 +64,7 @@ def lora_parts(linear: nn.Module) -> tuple[torch.Tensor, list[tuple[torch.Tensor
 class MlaAdapter(QwenAdapter):
     families = FAMILIES
     batched_replay = True
+    pages = LatentState
 
     def __init__(self, model: nn.Module):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -82,10 +83,6 @@ class MlaAdapter(QwenAdapter):
         self.qk_norm = False
         self.num_layers = len(self.decoder.layers)
         self.interleaved = bool(getattr(config, "rope_interleave", False))
-
-    def _new_state(self, length: int) -> LatentState:
-        weight = self.decoder.embed_tokens.weight
-        return LatentState.empty(self.num_layers, 1, length, self.head_dim, weight.dtype, weight.device)
 
     # -- pieces --------------------------------------------------------------------------------------------------
 
@@ -153,14 +150,3 @@ class MlaAdapter(QwenAdapter):
         attention += h * (self.kv_lora_rank + self.v_dim)
         per_token = sum(3 * (attention + self._mlp_width(layer)) for layer in self.decoder.layers)
         return rows * tokens * (per_token + 3 * hd) * self.decoder.embed_tokens.weight.element_size()
-
-    def capture(self, tokens_S: torch.Tensor, chunk_size: int) -> LatentState:
-        s_len = tokens_S.shape[0]
-        state = self._new_state(s_len)
-        with torch.no_grad():
-            for start in range(0, s_len, chunk_size):
-                end = min(start + chunk_size, s_len)
-                _, kv = self._layers(tokens_S[start:end], start, self._prefixes(state, start, None), 0, full=False)
-                for i, (k, _) in enumerate(kv):
-                    state.k_L_Hkv_S_D[i, :, start:end] = k
-        return state

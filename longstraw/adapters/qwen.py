@@ -56,6 +56,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class QwenAdapter(Adapter):
     families = FAMILIES  # a subclass for another family names its own and overrides the per-family pieces
     batched_replay = True
+    pages = KVState  # the prefix state's type (MLA: LatentState, one tensor serving as key and value)
 
     def __init__(self, model: nn.Module):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -211,7 +212,7 @@ class QwenAdapter(Adapter):
     def capture(self, tokens_S: torch.Tensor, chunk_size: int) -> KVState:
         s_len = tokens_S.shape[0]
         weight = self.decoder.embed_tokens.weight
-        state = KVState.empty(self.num_layers, self.num_kv_heads, s_len, self.head_dim, weight.dtype, weight.device)
+        state = self.pages.empty(self.num_layers, self.num_kv_heads, s_len, self.head_dim, weight.dtype, weight.device)
         with torch.no_grad():
             for start in range(0, s_len, chunk_size):
                 end = min(start + chunk_size, s_len)
