@@ -1,4 +1,6 @@
-"""LongStraw on multi-head latent attention bases (DeepSeek-V3, GLM-4.7-Flash) against transformers (fp32, CPU).
+"""LongStraw on multi-head latent attention bases against transformers (fp32, CPU): DeepSeek-V3, GLM-4.7-Flash, and
+the DSA families DeepSeek-V3.2 and GLM-5 on their dense path (every sequence within index_topk, so the indexer
+selects every key and HF runs it too).
 
 Tiny random bases (mint.models.specs.tiny_config: 3 layers, the first dense, q and kv down-projections, interleaved
 RoPE, V3-style routing with a shared expert), LoRA on every attention projection (kv_b_proj included, so the
@@ -22,7 +24,7 @@ from longstraw.scoring import token_logprobs
 from mint.config import LoraConfig
 from mint.models.lora import add_lora
 
-FAMILIES = ["deepseek_v3", "glm4_moe_lite"]
+FAMILIES = ["deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"]
 P = 23
 LENGTHS = (2, 5, 9)
 ADV = (1.0, -0.5, 0.7)
@@ -201,3 +203,18 @@ def test_graph_estimate_bounds_the_metered_graph(mla_path):
             score_responses(adapter, tokens_P, batch, state, None, 1, TEMPERATURE)
         estimate = adapter.replay_graph_bytes(len(batch), max(len(r) for r in batch))
         assert meter.nbytes <= estimate <= 3 * meter.nbytes, (rows, meter.nbytes, estimate)
+
+
+def test_dsa_beyond_index_topk_is_refused_in_one_line(tmp_path):
+    """Past index_topk DSA selects a subset of keys, which LongStraw does not replay yet: refused, not approximated."""
+    from transformers import AutoModelForCausalLM
+
+    from longstraw.errors import LongStrawError
+    from mint.models.specs import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("glm_moe_dsa", 97, index_topk=16)).eval()
+    tokens_P, responses = _inputs(97)
+    with pytest.raises(LongStrawError, match="exceed DSA's index_topk 16") as err:
+        grpo_update(model, tokens_P, responses, _objective, UpdateSpec(mode="detached", chunk_size=CHUNK))
+    assert "\n" not in str(err.value)

@@ -11,8 +11,10 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    DeepseekV32Config,
     Glm4MoeConfig,
     Glm4MoeLiteConfig,
+    GlmMoeDsaConfig,
     PretrainedConfig,
     Qwen2MoeConfig,
     Qwen3_5MoeTextConfig,
@@ -28,9 +30,9 @@ from mint.errors import ConfigError
 TINY_PREFIX = "tiny:"
 TINY_FAMILIES = ("qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3", "qwen3_5_moe", "qwen3_next", "qwen3_5")
 HYBRID_FAMILIES = ("qwen3_5_moe", "qwen3_next", "qwen3_5")  # Gated DeltaNet + gated full attention, 3:1
-# Multi-head latent attention MoE (DeepSeek-V3, GLM-4.7-Flash); configs only: no shipped base yet, so not in
-# TINY_FAMILIES (a `tiny:` spec needs a shipped or buildable base).
-MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite")
+# Multi-head latent attention MoE (DeepSeek-V3, GLM-4.7-Flash; with DSA: DeepSeek-V3.2, GLM-5). Configs only: no
+# shipped base yet, so not in TINY_FAMILIES (a `tiny:` spec needs a shipped or buildable base).
+MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -223,13 +225,20 @@ def _tiny_mla(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
         topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
         max_position_embeddings=256, tie_word_embeddings=False,
     )  # fmt: skip
-    if family == "glm4_moe_lite":
+    if family in ("deepseek_v32", "glm_moe_dsa"):
+        # DSA: a lightning indexer (2 heads of 16) picks index_topk keys per query; 64 covers the tests' sequences,
+        # where selection keeps every key (the dense path). GLM-5's third layer reuses the second's selection.
+        config.update(index_topk=64, index_n_heads=2, index_head_dim=16)
+        if family == "glm_moe_dsa":
+            config.update(indexer_types=["full", "full", "shared"])
+    if family in ("glm4_moe_lite", "glm_moe_dsa"):
         config.update(mlp_layer_types=["dense", "sparse", "sparse"])
-        config.update(overrides)
-        return Glm4MoeLiteConfig(**config)
-    config.update(first_k_dense_replace=1)
+    else:
+        config.update(first_k_dense_replace=1)
     config.update(overrides)
-    return DeepseekV3Config(**config)
+    classes = {"deepseek_v3": DeepseekV3Config, "glm4_moe_lite": Glm4MoeLiteConfig, "deepseek_v32": DeepseekV32Config,
+               "glm_moe_dsa": GlmMoeDsaConfig}  # fmt: skip
+    return classes[family](**config)
 
 
 # Vision-language checkpoints whose text model Mint trains: config.json model_type -> the text model's. The released
