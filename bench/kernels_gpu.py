@@ -16,6 +16,12 @@ Qwen3-30B-A3B-like: E=128, r=32, gate_up (H=2048 -> O=1536) and down (I=768 -> O
     peft        PEFT target_parameters: W + s einsum(lora_B, lora_A) materialized ([E, O, H]), then grouped matmul
     lora_only   expert_lora alone (the kernels' own time)
     The grouped matmul is a per-expert loop of torch matmuls, the same in the three full variants.
+latent prefix attention (MLA absorbed form), forward + backward, DeepSeek-V3 widths D_k=576, D_v=512, H=128 heads on
+one page head, (P, R) in {(8k, 64), (64k, 64), (64k, 512)}:
+    ours            latent_prefix_attention in detached mode
+    ours_exact      latent_prefix_attention adding the pages' gradient into one fp32 [P, 576] buffer
+    via_prefix      prefix_attention with the pages as both K and V (D = 576 output, rope columns dropped)
+    via_prefix_exact  the same with its two fp32 [P, 576] dK/dV buffers
 
 Each case reports the median time of a few runs (CUDA events) and the peak memory above what its inputs hold.
 Targets: prefix attention >= 1.5x faster than SDPA when P/R >= 16; fused head >= 10x less peak memory
@@ -40,7 +46,13 @@ import time
 
 import torch
 
-from longstraw.kernels import expert_lora, expert_lora_reference, fused_logprob, prefix_attention
+from longstraw.kernels import (
+    expert_lora,
+    expert_lora_reference,
+    fused_logprob,
+    latent_prefix_attention,
+    prefix_attention,
+)
 
 BUDGET_S = 270.0  # stop starting new cases after this, so the whole call stays under 5 minutes
 
@@ -198,6 +210,60 @@ def bench_prefix_attention(P: int, R: int, reps: int, seed: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# Latent prefix attention
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def latent_step(q, pages, own, do, scale, *, exact: bool, via_prefix: bool):
+    """One forward + backward of MLA's absorbed attention, by the latent kernel or through prefix_attention."""
+    Dv = do.shape[-1]
+    n_acc = (2 if via_prefix else 1) if exact else 0
+    accs = [torch.zeros(pages.shape, device=pages.device, dtype=torch.float32) for _ in range(n_acc)]
+
+    def step():
+        if via_prefix:
+            kv, page = pages[None], own[:, None]
+            acc = dict(dk_prefix_acc=accs[0][None], dv_prefix_acc=accs[1][None]) if exact else {}
+            out = prefix_attention(q, kv, kv, page, page, scale, **acc)[..., :Dv]
+        else:
+            out = latent_prefix_attention(q, pages, own, Dv, scale, dpage_acc=accs[0] if exact else None)
+        out.backward(do)
+        q.grad = own.grad = None
+
+    return step
+
+
+def bench_latent_attention(P: int, R: int, reps: int, seed: int) -> dict:
+    H, Dk, Dv = 128, 576, 512
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, pages, own = rnd(1, H, R, Dk).requires_grad_(), rnd(P, Dk), rnd(1, R, Dk).requires_grad_()
+    do = rnd(1, H, R, Dv)
+    scale = 1.0 / math.sqrt(192)  # DeepSeek-V3's qk_head_dim (nope 128 + rope 64), without the YaRN mscale
+    row = {"P": P, "R": R, "H": H, "D_k": Dk, "D_v": Dv}
+    try:
+        with torch.no_grad():
+            ours = latent_prefix_attention(q, pages, own, Dv, scale)
+            ref = prefix_attention(q, pages[None], pages[None], own[:, None], own[:, None], scale)[..., :Dv]
+            row["max_abs_diff_vs_prefix_attention"] = float((ours.float() - ref.float()).abs().max())
+            del ours, ref
+    except Exception as exc:
+        row["max_abs_diff_vs_prefix_attention"] = f"{type(exc).__name__}"
+    torch.cuda.empty_cache()
+    for name, exact, via in (
+        ("ours", False, False),
+        ("ours_exact", True, False),
+        ("via_prefix", False, True),
+        ("via_prefix_exact", True, True),
+    ):
+        row[name] = guarded(latent_step(q, pages, own, do, scale, exact=exact, via_prefix=via), reps)
+    for name in ("", "_exact"):
+        if "ms" in row["ours" + name] and "ms" in row["via_prefix" + name]:
+            row["speedup_vs_prefix" + name] = round(row["via_prefix" + name]["ms"] / row["ours" + name]["ms"], 3)
+    return row
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # Fused head
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -327,7 +393,8 @@ def main() -> None:
     attn_sizes = [(8192, 512)] if args.quick else [(p, r) for p in (8192, 65536, 524288) for r in (512, 4096)]
     head_sizes = [4096] if args.quick else [4096, 32768]
     lora_projs = [("gate_up", 2048, 1536)] + ([] if args.quick else [("down", 768, 2048)])
-    attn_rows, head_rows, lora_rows, skipped = [], [], [], []
+    latent_sizes = [(8192, 64)] + ([] if args.quick else [(65536, 64), (65536, 512)])
+    attn_rows, head_rows, lora_rows, latent_rows, skipped = [], [], [], [], []
 
     for P, R in attn_sizes:
         if time.perf_counter() - t0 > BUDGET_S:
@@ -356,6 +423,14 @@ def main() -> None:
         lora_rows.append(row)
         print(f"expert_lora {name}: {json.dumps(row)}", file=sys.stderr, flush=True)
 
+    for P, R in latent_sizes:
+        if time.perf_counter() - t0 > BUDGET_S:
+            skipped.append(f"latent_prefix_attention P={P} R={R}")
+            continue
+        row = bench_latent_attention(P, R, args.reps, args.seed)
+        latent_rows.append(row)
+        print(f"latent_prefix_attention P={P} R={R}: {json.dumps(row)}", file=sys.stderr, flush=True)
+
     result = {
         "bench": "kernels_gpu",
         "skipped": False,
@@ -366,6 +441,7 @@ def main() -> None:
         "prefix_attention": attn_rows,
         "fused_head": head_rows,
         "expert_lora": lora_rows,
+        "latent_prefix_attention": latent_rows,
         "targets_met": targets_met(attn_rows, head_rows),
         "skipped_for_time": skipped,
         "wall_s": round(time.perf_counter() - t0, 1),

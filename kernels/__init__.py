@@ -5,8 +5,10 @@ path: one implementation per op on CPU, memory-lean (nothing of size P or T x V 
 Triton kernels are tested against. The files are split by job to stay under ~450 lines each: prefix_attention.py (API,
 launchers, Function), _prefix_attention_triton.py (@triton.jit kernels), _prefix_attention_reference.py;
 fused_logprob.py (API, launchers, Function, kernels), _fused_logprob_reference.py; expert_lora.py (API, launchers,
-Function), _expert_lora_triton.py (@triton.jit kernels), _expert_lora_reference.py. Imports here are torch and triton
-only. Callers use the functions below; nothing outside this package calls `Function.apply` or imports triton.
+Function), _expert_lora_triton.py (@triton.jit kernels), _expert_lora_reference.py; latent_attention.py (API,
+launchers, Function), _latent_attention_triton.py (@triton.jit kernels), _latent_attention_reference.py. Imports
+here are torch and triton only. Callers use the functions below; nothing outside this package calls
+`Function.apply` or imports triton.
 
     prefix_attention(q, k_prefix, v_prefix, k_resp, v_resp, scale=None, *, dk_prefix_acc=None,
                      dv_prefix_acc=None, return_lse=False, force=None) -> out (, lse)
@@ -14,6 +16,14 @@ only. Callers use the functions below; nothing outside this package calls `Funct
         strides. Response queries over the prefix, then causal over the response; never concatenates K/V. Prefix
         dK/dV are added into the fp32 buffers when given (exact mode; views of a larger buffer are fine) and skipped
         otherwise (detached mode). The CPU path saves nothing of size P for backward.
+
+    latent_prefix_attention(q, pages, own_pages, latent_dim, scale, *, dpage_acc=None, return_lse=False,
+                            force=None) -> out (, lse)
+        MLA in absorbed form. q [B?, H, R, D_k]; pages [P, D_k] shared by the batch, P >= 0; own_pages [B?, R, D_k];
+        any strides. Key j = page j, value j = page j[:latent_dim]; causal over the own pages; out [B?, H, R, D_v].
+        One page head serves all H query heads and is never expanded. The prefix pages' whole gradient (key part plus
+        value part) is added into the one fp32 [P, D_k] buffer dpage_acc when given, skipped otherwise. The CPU path
+        saves nothing of size P for backward.
 
     fused_logprob(hidden, weight, targets, temperature=1.0, *, ignore_index=-100, force=None) -> (logprob, entropy)
         hidden [T, H]; weight [V, H]; targets [T] -> fp32 [T], [T]. Never materializes [T, V] logits; no weight
@@ -31,6 +41,7 @@ docs/kernels.md for the math, the tiling and how to test and benchmark.
 
 from longstraw.kernels.expert_lora import expert_lora, expert_lora_reference
 from longstraw.kernels.fused_logprob import fused_logprob, fused_logprob_reference
+from longstraw.kernels.latent_attention import latent_prefix_attention, latent_prefix_attention_reference
 from longstraw.kernels.prefix_attention import prefix_attention, prefix_attention_reference
 
 __all__ = [
@@ -38,6 +49,8 @@ __all__ = [
     "expert_lora_reference",
     "fused_logprob",
     "fused_logprob_reference",
+    "latent_prefix_attention",
+    "latent_prefix_attention_reference",
     "prefix_attention",
     "prefix_attention_reference",
 ]
