@@ -36,7 +36,7 @@ from longstraw._cp_collectives import (
 from longstraw.adapters import Adapter, KVState, adapter_for
 from longstraw.adapters.base import IntoBuffer
 from longstraw.adapters.hybrid import HybridQwenAdapter
-from longstraw.adapters.mla import MlaAdapter
+from longstraw.adapters.mla import MlaAdapter, SplitGradLatentState
 from longstraw.adapters.qwen import _FORCE, QwenAdapter, surrogate_backward
 from longstraw.errors import LongStrawError
 
@@ -352,12 +352,16 @@ class CPHybridQwenAdapter(ContextParallel, HybridQwenAdapter):
 
 class CPMlaAdapter(ContextParallel, MlaAdapter):
     """MlaAdapter with its latent pages split over `group`: the merge above runs on the absorbed form (one K/V head
-    of width kv_lora_rank + qk_rope_head_dim), then each rank up-projects the merged latent through W_uv."""
+    of width kv_lora_rank + qk_rope_head_dim whose value is the page itself; the rope columns of the output are
+    dropped), then each rank up-projects the merged latent through W_uv. The partials run on prefix_attention, whose
+    kernel accumulates the key and value gradients separately, so the pages' gradient is two buffers here."""
+
+    pages = SplitGradLatentState
 
     def _attend(self, attn, q, k, v, prefix: CPPrefix) -> torch.Tensor:
         t = q.shape[-2]
         out_H_T_D, _ = cp_prefix_attention(
-            q.reshape(self.num_heads, t, self.head_dim), prefix.k, prefix.v, k, v, attn.scaling,
+            q.reshape(self.num_heads, t, self.head_dim), prefix.k, prefix.v, k, k, attn.scaling,
             include_own=prefix.include_own, dk_acc=prefix.grad_k, dv_acc=prefix.grad_v, group=self.group,
             force=_FORCE[self.kernels],
         )  # fmt: skip

@@ -140,7 +140,8 @@ def test_grads_equal_hf_backprop(mla_path, mode, budget):
 
 
 def test_pages_are_the_latent_not_the_expansion(mla_path):
-    """One [kv_lora_rank + qk_rope_head_dim] page per token and layer, stored once though it serves as key and value."""
+    """One [kv_lora_rank + qk_rope_head_dim] page per token and layer, stored once though it serves as key and value,
+    and one gradient buffer of that size."""
     model = load_fp32(mla_path)
     tokens_P, _ = _inputs(model.config.vocab_size)
     state = adapter_for(model).capture(tokens_P[:-1], CHUNK)
@@ -148,6 +149,7 @@ def test_pages_are_the_latent_not_the_expansion(mla_path):
     width = c.kv_lora_rank + c.qk_rope_head_dim
     assert state.k_L_Hkv_S_D.shape == (c.num_hidden_layers, 1, P - 1, width)
     assert state.nbytes == c.num_hidden_layers * (P - 1) * width * 4
+    assert state.zeros_like().nbytes == state.nbytes  # exact mode's gradient: one fp32 buffer of the pages' size
     expanded = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
     assert expanded > width
 

@@ -10,8 +10,9 @@ expanded K/V would be heads x (qk_nope + qk_rope + v) = 40,960), and attention r
     out_h   = (sum_j p_h(j) c_j) W_uv_h^T                (W_uk_h, W_uv_h: head h's rows of kv_b_proj)
 
 which is the module's own attention with its products reassociated: a single K/V head of width 576 shared by the
-query group of all heads. The value of a key is its latent itself, so the page serves as key and value (the kernel's
-output past kv_lora_rank is the rope part's and is dropped). kv_b_proj's LoRA folds in factored: q_nope (B_uk A) is
+query group of all heads. The value of a key is its latent itself, so the page serves as key and value:
+`longstraw.kernels.latent_prefix_attention` reads one page per token for both and adds the page's whole gradient into
+one fp32 buffer in exact mode. kv_b_proj's LoRA folds in factored: q_nope (B_uk A) is
 (q_nope B_uk) A, never the [heads x (nope + v), kv_lora_rank] product.
 
 What the modes then mean: the prefix's latent and rope key are constant in detached and resident modes, but
@@ -51,6 +52,20 @@ class LatentState(KVState):
     def empty(cls, layers: int, kv_heads: int, length: int, head_dim: int, dtype, device) -> LatentState:
         pages = torch.empty((layers, kv_heads, length, head_dim), dtype=dtype, device=device)
         return cls(pages, pages)
+
+    def zeros_like(self, dtype=torch.float32) -> LatentState:
+        """Exact mode's gradient: one fp32 buffer per page, key and value parts summed into it by the latent kernel."""
+        grad = torch.zeros_like(self.k_L_Hkv_S_D, dtype=dtype)
+        return LatentState(grad, grad)
+
+
+@dataclass
+class SplitGradLatentState(LatentState):
+    """Latent pages whose gradient is two buffers, the key part's and the value part's (a kernel that accumulates
+    them separately, as prefix_attention under context parallel does), summed by the prompt backward's surrogate."""
+
+    def zeros_like(self, dtype=torch.float32) -> KVState:
+        return KVState.zeros_like(self, dtype)
 
 
 def lora_parts(linear: nn.Module) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, float]]]:
@@ -127,12 +142,15 @@ class MlaAdapter(QwenAdapter):
         return q_abs, page, page
 
     def _attend(self, attn: nn.Module, q, k, v, prefix: KVPrefix) -> torch.Tensor:
+        """The latent kernel over the prefix pages and the tokens' own (k; v is the same page), then W_uv and o_proj.
+        In exact mode the pages' gradient lands in the one buffer prefix.grad_k (prefix.grad_v is the same)."""
         lead, t = q.shape[:-4], q.shape[-2]
-        out = kernels.prefix_attention(
-            q.flatten(-4, -3), prefix.k, prefix.v, k, v, attn.scaling,
-            dk_prefix_acc=prefix.grad_k, dv_prefix_acc=prefix.grad_v, force=_FORCE[self.kernels],
+        acc = prefix.grad_k[0] if prefix.grad_k is not None else None
+        out_lat = kernels.latent_prefix_attention(
+            q.flatten(-4, -3), prefix.k[0], k.squeeze(-3), self.kv_lora_rank, attn.scaling, dpage_acc=acc,
+            force=_FORCE[self.kernels],
         )  # fmt: skip
-        return attn.o_proj(self._up(attn, out[..., : self.kv_lora_rank]).transpose(-3, -2).reshape(*lead, t, -1))
+        return attn.o_proj(self._up(attn, out_lat).transpose(-3, -2).reshape(*lead, t, -1))
 
     def _up(self, attn: nn.Module, out_lat: torch.Tensor) -> torch.Tensor:
         """Per head, the attended latent [..., H, T, C] through W_uv (and its LoRA): [..., H, T, v]."""

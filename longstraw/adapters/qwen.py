@@ -254,9 +254,14 @@ class QwenAdapter(Adapter):
             if meter is not None:
                 graph_bytes = max(graph_bytes, chunk_meter.nbytes)
             outputs, grads = [], []
+            # A page that serves as both key and value (MLA's latent) has one gradient buffer: counted once.
+            shared = grad.v_L_Hkv_S_D is grad.k_L_Hkv_S_D
             for i, (k, v) in enumerate(kv):
                 # Complete: every reader of positions start..end-1 (later chunks, responses) has run its backward.
-                for out, g in ((k, grad.k_L_Hkv_S_D[i, :, start:end]), (v, grad.v_L_Hkv_S_D[i, :, start:end])):
+                pairs = [(k, grad.k_L_Hkv_S_D[i, :, start:end])]
+                if not (shared and v is k):
+                    pairs.append((v, grad.v_L_Hkv_S_D[i, :, start:end]))
+                for out, g in pairs:
                     if out.requires_grad:
                         outputs.append(out)
                         grads.append(g.to(out.dtype))
