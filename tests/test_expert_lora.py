@@ -17,9 +17,14 @@ from mint.config import LoraConfig
 from mint.errors import ConfigError
 from mint.models.expert_lora import experts_forward, factor_experts, is_factored
 from mint.models.lora import add_lora, load_lora_state, lora_state
+from mint.models.specs import moe_layers
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "glm4_moe"]
 HYBRID = ["qwen3_5_moe_text", "qwen3_next"]  # Gated DeltaNet + gated attention, routed experts beside a shared expert
+# Multi-head latent attention with a dense first layer and V3-style routing (tiny_config: 3 layers, 4 routed experts
+# beside a shared one); LoRA on every MLA projection, as the MLA recipes put it.
+MLA = ["deepseek_v3", "glm4_moe_lite"]
+MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 IMPLEMENTATIONS = ["grouped_mm", "eager"]  # transformers' default for these models, and the plain loop
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -34,14 +39,19 @@ def build_hybrid_tiny(model_type: str, directory: str, vocab_size: int = 97, see
     return build_random_tiny(TINY_OF[model_type], directory, vocab_size, seed)
 
 
-@pytest.fixture(scope="module", params=FAMILIES + HYBRID)
+@pytest.fixture(scope="module", params=FAMILIES + HYBRID + MLA)
 def base_path(request, tmp_path_factory) -> str:
     """The embedded tiny bases (mint.models.specs.tiny_config); glm4_moe is GLM-4.5-style: a dense first layer, sigmoid
     group-limited routing with routed_scaling_factor, and experts laid out as Qwen's. The hybrid families are built
-    by their embedded tiny configs (`build_hybrid_tiny`)."""
+    by their embedded tiny configs (`build_hybrid_tiny`), the MLA ones by `build_random_tiny` too."""
     directory = str(tmp_path_factory.mktemp(f"expert_lora_{request.param}"))
     build = build_hybrid_tiny if request.param in HYBRID else build_random_tiny
     return build(request.param, directory)
+
+
+def _lora(config) -> LoraConfig:
+    """The recipe default (attention projections and experts); on MLA its projections' names."""
+    return LoraConfig(target_modules=MLA_TARGETS) if config.model_type in MLA else LoraConfig()
 
 
 def _pair(path: str, implementation: str = "grouped_mm"):
@@ -52,7 +62,7 @@ def _pair(path: str, implementation: str = "grouped_mm"):
         base.set_experts_implementation(implementation)
         for p in base.parameters():
             p.requires_grad_(False)
-        models.append(add_lora(base, LoraConfig(), seed=0, factored_experts=factored))
+        models.append(add_lora(base, _lora(base.config), seed=0, factored_experts=factored))
     state = lora_state(models[0])
     gen = torch.Generator().manual_seed(3)
     for name in sorted(state):
@@ -79,6 +89,9 @@ def test_add_lora_installs_the_factored_forward_on_every_experts_module(base_pat
     assert factor_experts(factored) == len(outer)  # idempotent
     for m in outer:  # PEFT's structure is untouched: ParamWrapper(ParamWrapper(<Family>Experts))
         assert type(m.base_layer.base_layer).__name__.endswith("Experts")
+    # one per MoE layer and none on a dense one (GLM's and the MLA families' first layer)
+    layers = sorted(int(n.split("layers.")[1].split(".")[0]) for n, m in factored.named_modules() if m in outer)
+    assert layers == moe_layers(factored.config)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -98,7 +111,7 @@ def test_zero_lora_b_is_bit_identical_to_the_base(base_path, implementation, dty
     relies on the KL to the reference (adapter disabled) being exactly 0 before the first update."""
     base = load_fp32(base_path).to(dtype)
     base.set_experts_implementation(implementation)
-    model = add_lora(base, LoraConfig(), seed=0)
+    model = add_lora(base, _lora(base.config), seed=0)
     ids = _ids(model.config.vocab_size)
     with torch.no_grad():
         adapted = model(ids).logits
@@ -158,7 +171,7 @@ def test_parameters_and_state_dict_are_peft_s_exactly(base_path):
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     # Same seed without any edit: the initial adapters are bit-identical too.
-    fresh = [add_lora(load_fp32(base_path), LoraConfig(), seed=5, factored_experts=f) for f in (False, True)]
+    fresh = [add_lora(load_fp32(base_path), _lora(materialized.config), 5, factored_experts=f) for f in (False, True)]
     a, b = lora_state(fresh[0]), lora_state(fresh[1])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

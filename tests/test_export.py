@@ -17,6 +17,8 @@ from mint.config import LoraConfig
 from mint.errors import MintError
 from mint.hub.catalog import Catalog
 from mint.hub.export import (
+    MLA_FAMILIES,
+    PER_EXPERT_FAMILIES,
     engine_layout,
     export,
     export_peft,
@@ -28,6 +30,7 @@ from mint.hub.export import (
 )
 from mint.hub.integrity import verify_catalog
 from mint.hub.revisions import ADAPTER_FILE, CONFIG_FILE, base_fingerprint, read_revision_dir, revision_id
+from mint.models import specs
 from mint.models.expert_lora import factor_experts
 from mint.models.lora import adapter_config_dict, add_lora, load_lora_state, lora_state, peft_config
 from mint.models.specs import load_model, moe_layers, moe_layout, tiny_config
@@ -35,9 +38,9 @@ from mint.models.specs import load_model, moe_layers, moe_layout, tiny_config
 X = torch.tensor([[3, 17, 42, 8, 91, 5, 60, 11, 29]])
 
 
-def _trained(base: str, seed: int = 1):
+def _trained(base: str, seed: int = 1, lora: LoraConfig | None = None):
     """The learner's model (base + LoRA built from the recipe) with non-zero LoRA weights, as after some steps."""
-    model = add_lora(load_model(base), LoraConfig(), seed=0)
+    model = add_lora(load_model(base), lora or LoraConfig(), seed=0)
     g = torch.Generator().manual_seed(seed)
     load_lora_state(model, {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in lora_state(model).items()})
     return model
@@ -122,8 +125,8 @@ def _merge_per_expert_into_checkpoint(base: str, adapter_dir: Path, out: Path) -
     save_file(weights, str(out / "model.safetensors"))
 
 
-def _assert_split_is_exact_and_serves_the_same_model(base: str, tmp_path: Path) -> None:
-    trained = _trained(base)
+def _assert_split_is_exact_and_serves_the_same_model(base: str, tmp_path: Path, lora: LoraConfig | None = None) -> None:
+    trained = _trained(base, lora=lora)
     cat, rid = _publish(tmp_path, base, trained)
     tensors, meta = cat.load(rid)
     base_config = AutoConfig.from_pretrained(base)
@@ -195,6 +198,44 @@ def test_hybrid_expert_lora_splits_per_expert_and_serves_the_same_model(family, 
         with pytest.raises(MintError, match=f"{engine} reads {family} expert LoRA in the per-expert layout, not peft"):
             engine_layout("peft", meta.lora_config, config, engine=engine)
     assert engine_layout("per-expert", meta.lora_config, config, engine="mint") == "per-expert"
+    out = write_adapter_dir(tmp_path / "engine", meta.id, tensors, meta.lora_config, {}, "per-expert", config)
+    back, _, recorded = read_adapter_dir(out, config)
+    assert recorded["id"] == meta.id and set(back) == set(tensors)
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"])
+def test_mla_expert_lora_splits_per_expert_and_serves_the_same_model(family, tmp_path):
+    """The multi-head latent attention families (a dense first layer, V3-style routing, a shared expert beside the
+    routed ones; the DSA ones on their dense path): with LoRA on every MLA projection and the fused experts, the
+    per-expert split is exact, and folded in by name through transformers' own per-expert -> fused loader it gives the
+    trained model's logits (so their fused gate_up rows are [gate; up]). vLLM and SGLang get per-expert; kv_b_proj,
+    whose LoRA vLLM's absorbed MLA decode drops, is refused for vLLM in one line (and not for SGLang, which folds it
+    into its absorbed path); without it vLLM gets per-expert. What is written reads back as the trained revision."""
+    assert (
+        family in MLA_FAMILIES and MLA_FAMILIES == specs.MLA_FAMILIES and set(MLA_FAMILIES) <= set(PER_EXPERT_FAMILIES)
+    )
+    base = build_random_tiny(family, str(tmp_path / "base"))
+    _assert_split_is_exact_and_serves_the_same_model(base, tmp_path, LoraConfig(target_modules=MLA_TARGETS))
+    with Catalog(tmp_path / "catalog") as cat:
+        tensors, meta = cat.load(cat.latest("t").id)
+    config = AutoConfig.from_pretrained(base)
+    assert config.model_type == family and moe_layers(config) == [1, 2]
+    assert not any(".layers.0.mlp." in k for k in tensors)  # the dense first layer carries no LoRA
+    assert {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors} >= set(MLA_TARGETS)
+    for layout in ("auto", "peft", "per-expert"):
+        with pytest.raises(MintError, match=f"vllm drops kv_b_proj LoRA on {family} in decode") as err:
+            engine_layout(layout, meta.lora_config, config, engine="vllm")
+        assert "\n" not in str(err.value)
+    assert engine_layout("auto", meta.lora_config, config, engine="sglang") == "per-expert"
+    with pytest.raises(MintError, match=f"sglang reads {family} expert LoRA in the per-expert layout, not peft"):
+        engine_layout("peft", meta.lora_config, config, engine="sglang")
+    assert engine_layout("auto", meta.lora_config, config, engine="mint") == "peft"
+    without_kv_b = {**meta.lora_config, "target_modules": sorted(set(MLA_TARGETS) - {"kv_b_proj"})}
+    assert engine_layout("auto", without_kv_b, config, engine="vllm") == "per-expert"
     out = write_adapter_dir(tmp_path / "engine", meta.id, tensors, meta.lora_config, {}, "per-expert", config)
     back, _, recorded = read_adapter_dir(out, config)
     assert recorded["id"] == meta.id and set(back) == set(tensors)
@@ -274,7 +315,7 @@ def test_engine_layout_per_expert_refused_where_the_split_does_not_apply():
     assert engine_layout("auto", lora, olmoe) == "peft"
     with pytest.raises(
         MintError,
-        match="per-expert knows the layout of qwen2_moe, qwen3_moe, glm4_moe, qwen3_next, qwen3_5_moe_text, not olmoe",
+        match=r"per-expert knows the layout of qwen2_moe, .*, qwen3_5_moe_text, deepseek_v3, .*, not olmoe",
     ):
         engine_layout("per-expert", lora, olmoe)
 

@@ -20,6 +20,10 @@ and whose MoE wrapper is the 3-D one (is_3d_moe_weight): Mint trains the text mo
 vLLM on such a base names the modules as the checkpoint (model.language_model.*) and keeps PEFT's fused expert
 layout. vLLM fills every buffer from it as trained; the same tensors under the text model's names it loads and
 applies nowhere, and per-expert keys it refuses.
+
+The MLA families vLLM's CPU build runs (DeepSeek-V3, GLM-4.7-Flash; DSA's sparse attention it refuses on CPU) are
+2-D MoE classes like Qwen-MoE: per-expert, with q_a_proj and kv_a_proj_with_mqa packed into fused_qkv_a_proj. vLLM
+loads kv_b_proj's LoRA too, but decodes with absorbed weights split off the base kv_b_proj, so Mint refuses it.
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ from conftest import build_random_tiny, load_fp32
 from safetensors.torch import load_file
 from test_expert_lora import build_hybrid_tiny
 from test_vlm_checkpoint import build_vlm_tiny
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from mint.config import LoraConfig
 from mint.errors import MintError
 from mint.hub.export import ENGINE_EXPERT_LAYOUTS, ENGINE_LAYOUTS, engine_layout, merged_model, write_adapter_dir
 from mint.hub.revisions import revision_id
 from mint.models.lora import adapter_config_dict, add_lora, load_lora_state, lora_state
+from mint.models.specs import moe_layers, tiny_config
 
 SCRIPT = Path(__file__).resolve().parent / "engine_scripts" / "vllm_lora_load.py"
 RANK = 8  # the adapter's r and vLLM's max_lora_rank, so the stacked buffers have exactly the trained shapes
@@ -64,11 +69,19 @@ HYBRID = {
 TARGETS |= HYBRID
 VLM = {"qwen3_5_moe": ATTENTION + GDN_35, "qwen3_5": ATTENTION + GDN_35 + MLP}  # the VLM checkpoints, by model_type
 TARGETS |= VLM
-MOE = ("qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3_next", "qwen3_5_moe_text")
+# The multi-head latent attention families vLLM's CPU build runs (DSA's sparse attention it refuses on CPU): LoRA on
+# the MLA projections it applies, which vLLM packs (q_a_proj + kv_a_proj_with_mqa -> fused_qkv_a_proj). kv_b_proj,
+# whose LoRA vLLM's absorbed decode drops, `engine_layout` refuses for vLLM; a directory with it is loaded as well, to
+# show that vLLM would take it without a word.
+MLA = {"deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]}
+MLA["glm4_moe_lite"] = MLA["deepseek_v3"]
+TARGETS |= MLA
+MOE = ("qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3_next", "qwen3_5_moe_text", *MLA)
 # vLLM packs q/k/v into qkv_proj and gate/up into gate_up_proj (slices in this order); other projections keep a name
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 PACKED |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 PACKED |= {"in_proj_z": ("in_proj_qkvz", 3), "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
+PACKED |= {"q_a_proj": ("fused_qkv_a_proj", 0), "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1)}
 # vLLM's Qwen3.5 GDN in_proj_qkvz has four output slices (q, k, v, z): in_proj_qkv's B is split over the first three
 # by their sizes and its A repeated (MergedColumnParallelLinearWithLoRA.expand_packed_lora)
 # vLLM's qwen3_5.py imports its VLM module, which imports transformers' torchvision image processor only for a
@@ -93,9 +106,24 @@ REFUSED_FUSED = "contains fused 3D MoE weights"  # vLLM's error for PEFT's fused
 pytestmark = pytest.mark.slow
 
 
-def _trained(base: str, family: str):
+def build_mla_tiny(family: str, directory: str) -> str:
+    """`build_random_tiny` of an MLA family, its config.json carrying the keys of the released one that vLLM reads
+    and transformers does not: DeepSeek-V3's routing (topk_method noaux_tc, scoring_func sigmoid; without noaux_tc
+    vLLM's DeepseekV2MoE has no e_score_correction_bias to load the checkpoint's into), GLM-4.7-Flash's
+    first_k_dense_replace (1, the dense layers vLLM's Glm4MoeLite builds; transformers reads mlp_layer_types)."""
+    torch.manual_seed(0)
+    extra = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"} if family == "deepseek_v3" else {}
+    extra |= {"first_k_dense_replace": 1} if family == "glm4_moe_lite" else {}
+    AutoModelForCausalLM.from_config(tiny_config(family, 97, initializer_range=0.05, **extra)).save_pretrained(
+        directory
+    )
+    return directory
+
+
+def _trained(base: str, family: str, targets: list[str] | None = None):
     """The learner's model on `base` with A and B ~ N(0, 0.05^2) (seeded): PEFT starts B at zero."""
-    model = add_lora(load_fp32(base), LoraConfig(rank=RANK, alpha=2.0 * RANK, target_modules=TARGETS[family]), seed=0)
+    lora = LoraConfig(rank=RANK, alpha=2.0 * RANK, target_modules=targets or TARGETS[family])
+    model = add_lora(load_fp32(base), lora, seed=0)
     g = torch.Generator().manual_seed(7)
     load_lora_state(model, {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in lora_state(model).items()})
     return model
@@ -110,6 +138,7 @@ def vllm_loads(engine_python, tmp_path_factory) -> dict:
     cases, argv = {}, []
     for family in TARGETS:
         build = build_vlm_tiny if family in VLM else build_hybrid_tiny if family in HYBRID else build_random_tiny
+        build = build_mla_tiny if family in MLA else build
         base = build(family, str(root / f"{family}-base"))
         model = _trained(base, family)
         tensors = lora_state(model)
@@ -126,6 +155,14 @@ def vllm_loads(engine_python, tmp_path_factory) -> dict:
                 continue
             layouts[layout] = str(out)
             argv += [base, str(out)]
+        if family in MLA:  # kv_b_proj too, as a rollout actor would write it for vLLM without `engine_layout`
+            with_kv_b = _trained(base, family, [*TARGETS[family], "kv_b_proj"])
+            kv_b = lora_state(with_kv_b)
+            kv_b_config = json.loads(json.dumps(adapter_config_dict(with_kv_b, base)))
+            out = root / f"{family}-kv_b"
+            write_adapter_dir(out, revision_id(kv_b), kv_b, kv_b_config, {}, "per-expert", config)
+            layouts["kv_b"] = str(out)
+            argv += [base, str(out)]
         if family in VLM:  # the trained tensors under the text model's names, as written before the VLM layout
             out = root / f"{family}-text-names"
             text = config.get_text_config()
@@ -134,6 +171,8 @@ def vllm_loads(engine_python, tmp_path_factory) -> dict:
             argv += [base, str(out)]
         cases[family] = dict(base=base, config=config, tensors=tensors, adapter_config=adapter_config, chosen=chosen)
         cases[family].update(dirs=layouts, unwritten=unwritten)
+        if family in MLA:
+            cases[family]["kv_b"] = dict(tensors=kv_b, adapter_config=kv_b_config)
     dumps = root / "dumps"
     dumps.mkdir()
     shim = root / "shim"
@@ -147,12 +186,14 @@ def vllm_loads(engine_python, tmp_path_factory) -> dict:
         text=True,
         timeout=300,
         env=env,
+        cwd=root,  # not the repo root, whose kernels/ vLLM's model inspection subprocess imports for HF's `kernels`
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     report = json.loads(proc.stdout)
     by_dir = {r["adapter"]: r for r in report["adapters"]}
     for case in cases.values():
         case["vllm"] = report["bases"][case["base"]]
+        case["run"] = dict(python=str(engine_python), env=env, cwd=root)  # for a further engine subprocess
         case["loaded"] = {layout: by_dir[d] for layout, d in case["dirs"].items()} | case["unwritten"]
     return cases
 
@@ -301,3 +342,81 @@ def test_vllm_vlm_class_holds_the_adapter_mint_writes_on_a_vlm_checkpoint(vllm_l
         assert "expected target modules" in case["loaded"]["per-expert"]["error"]
         with pytest.raises(MintError, match="vllm reads qwen3_5_moe expert LoRA in the peft layout, not per-expert"):
             engine_layout("per-expert", case["adapter_config"], case["config"], engine="vllm")
+
+
+# Loads one adapter into the base in vLLM's CPU model runner and prints, per MLA layer, which of its attention's own
+# tensors (decode's absorbed W_UK_T / W_UV among them) the load left bit for bit as they were, and whether the layer's
+# kv_b_proj LoRA buffers hold anything.
+ABSORBED = """
+import json, os, sys
+out = os.fdopen(os.dup(1), "w"); os.dup2(2, 1)
+sys.path.insert(0, sys.argv[1])
+from vllm_lora_load import runner_for
+from vllm.config import set_current_vllm_config
+from vllm.lora.request import LoRARequest
+runner = runner_for(sys.argv[2], int(sys.argv[4]))
+def own(attn):
+    return dict([*attn.named_parameters(recurse=False), *attn.named_buffers(recurse=False)])
+layers = [layer.self_attn.mla_attn.mla_attn for layer in runner.model.model.layers]
+before = [{k: v.clone() for k, v in own(a).items()} for a in layers]
+with set_current_vllm_config(runner.vllm_config):
+    runner.add_lora(LoRARequest("kv_b", 1, sys.argv[3]))
+report = [{"unchanged": sorted(k for k, v in own(a).items() if v.equal(b[k])), "kv_b_lora": bool(
+    a.kv_b_proj.lora_b_stacked[0][0].any() and a.kv_b_proj.lora_a_stacked[0][0].any())} for a, b in zip(layers, before)]
+out.write(json.dumps(report) + "\\n")
+out.flush()
+"""
+
+
+def test_vllm_mla_decode_weights_stay_the_base_s_with_kv_b_proj_lora_loaded(vllm_loads):
+    """Why kv_b_proj is refused for vLLM, shown with vLLM's own code: with a kv_b_proj adapter loaded (its buffers
+    non-zero in every layer, so the prefill path's wrapper would apply it), the W_UK_T / W_UV that vLLM's MLA decode
+    multiplies by are still the ones split off the base weight at load, bit for bit: decode serves the base there."""
+    case = vllm_loads["deepseek_v3"]
+    run = case["run"]
+    argv = [str(SCRIPT.parent), case["base"], case["dirs"]["kv_b"], str(RANK)]
+    proc = subprocess.run(
+        [run["python"], "-c", ABSORBED, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=run["env"],
+        cwd=run["cwd"],
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    assert len(report) == 3
+    for layer in report:
+        assert layer["kv_b_lora"] and {"W_UK_T", "W_UV"} <= set(layer["unchanged"]), layer
+
+
+@pytest.mark.parametrize("family", list(MLA))
+def test_vllm_mla_class_holds_the_mla_and_expert_lora_and_kv_b_proj_is_refused_up_front(vllm_loads, family):
+    """DeepSeek-V3 and GLM-4.7-Flash: vLLM builds DeepseekV3ForCausalLM / Glm4MoeLiteForCausalLM with the 2-D expert
+    wrapper on the MoE layers only (the first is dense), q_a_proj and kv_a_proj_with_mqa packed as fused_qkv_a_proj's
+    two slices; the per-expert directory fills every MLA and expert buffer as trained (the generic test above) and
+    leaves the dense layer's MLP, the shared experts and the router at zero. kv_b_proj: vLLM's loader fills its buffers
+    just as well, though its absorbed MLA decode never applies them, so `engine_layout` refuses it for vLLM in one
+    line (and not for SGLang, which folds it into the absorbed path)."""
+    case = vllm_loads[family]
+    cls = {"deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}[family]
+    assert case["vllm"]["model_class"] == cls and not case["vllm"]["is_3d_moe_weight"]
+    wrappers = case["vllm"]["wrappers"]
+    experts = sorted(int(m.split(".")[2]) for m, c in wrappers.items() if m.endswith(".mlp.experts"))
+    assert experts == moe_layers(case["config"]) == [1, 2]
+    assert all(c == "FusedMoEWithLoRA" for m, c in wrappers.items() if m.endswith(".mlp.experts"))
+    assert wrappers["model.layers.0.self_attn.fused_qkv_a_proj"] == "MergedColumnParallelLinearWithLoRA"
+    held = load_file(case["loaded"][case["chosen"]]["dump"])
+    filled = {k.split(".lora_")[0].split(".w")[0].rsplit(".", 1)[-1] for k, v in held.items() if v.any()}
+    assert filled == {"fused_qkv_a_proj", "q_b_proj", "o_proj", "experts"}
+    assert all(
+        held[f"model.layers.{i}.self_attn.fused_qkv_a_proj.lora_b_stacked.{s}"].any() for i in range(3) for s in (0, 1)
+    )
+    kv_b = {**case, **case["kv_b"]}  # the same base, the adapter with kv_b_proj
+    record = case["loaded"]["kv_b"]
+    assert record["ok"], record["error"]
+    _assert_holds_as_trained(kv_b, load_file(record["dump"]))  # kv_b_proj's buffers too, bit for bit
+    with pytest.raises(MintError, match=f"vllm drops kv_b_proj LoRA on {family} in decode") as err:
+        engine_layout("auto", kv_b["adapter_config"], kv_b["config"], engine="vllm")
+    assert "\n" not in str(err.value)
+    assert engine_layout("auto", kv_b["adapter_config"], kv_b["config"], engine="sglang") == "per-expert"

@@ -4,7 +4,7 @@ Formats
     peft        The revision directory as it is: `PeftModel.from_pretrained(base, dir)` loads it and gives the
                 training model's logits. Fused MoE experts keep PEFT's `target_parameters` layout.
     per-expert  Fused 3-D expert LoRA split into per-expert 2-D LoRA under the module names of the per-expert
-                checkpoints of Qwen-MoE and GLM-4.5, which vLLM (2-D MoE models) and SGLang load:
+                checkpoints (Qwen-MoE, GLM, DeepSeek-V3), which vLLM (2-D MoE models) and SGLang load:
                     base_model.model.model.layers.{l}.mlp.experts.{e}.gate_proj.lora_A.weight   [r, H]
                     base_model.model.model.layers.{l}.mlp.experts.{e}.gate_proj.lora_B.weight   [I, r]
                     ... .up_proj.lora_A / lora_B                                                 [r, H] / [I, r]
@@ -14,8 +14,8 @@ Formats
 
 The split is exact (indexing only, no arithmetic): PEFT keeps expert e's A as rows [e*r, (e+1)*r) of lora_A
 (r*E, in) and its B as columns e, e+E, e+2E, ... of lora_B (out, r*E); the delta of expert e is
-scale * B_e @ A_e, shape (out, in). gate_up_proj's out rows are [gate (I); up (I)] (Qwen-MoE and GLM-4.5 compute
-`gate, up = linear(x, W_e).chunk(2)`), so gate_proj and up_proj share A_e and take the two halves of B_e.
+scale * B_e @ A_e, shape (out, in). gate_up_proj's out rows are [gate (I); up (I)] (`gate, up = linear(x, W_e)
+.chunk(2)` in each of PER_EXPERT_FAMILIES), so gate_proj and up_proj share A_e and take the two halves of B_e.
 `fuse_experts` inverts `split_experts` bit for bit; tests check both that and the logits of a checkpoint merged from
 the per-expert keys through transformers' own per-expert -> fused loader.
 
@@ -61,30 +61,22 @@ from mint.hub.revisions import (
 FORMATS = ("peft", "per-expert", "merged")
 ENGINE_LAYOUTS = ("auto", "peft", "per-expert")  # what a rollout actor may write for its engine
 # Fused gate_up rows are [gate; up] in these (transformers computes `gate, up = linear(x, W_e).chunk(2)` in each, and
-# its checkpoint conversion maps the per-expert keys of glm4_moe, qwen3_next and qwen3_5_moe_text with qwen2_moe's
-# pattern), so `split_experts` applies.
-PER_EXPERT_FAMILIES = ("qwen2_moe", "qwen3_moe", "glm4_moe", "qwen3_next", "qwen3_5_moe_text")
+# its checkpoint conversion maps the per-expert keys of all but qwen2_moe itself with qwen2_moe's pattern), so
+# `split_experts` applies. MLA_FAMILIES equals mint.models.specs' (tested); importing it would load transformers.
+MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
+PER_EXPERT_FAMILIES = ("qwen2_moe", "qwen3_moe", "glm4_moe", "qwen3_next", "qwen3_5_moe_text", *MLA_FAMILIES)
 _PEFT_PREFIX = "base_model.model."
 
 # The layouts each engine reads expert LoRA in, per family (model_type); the first is what `auto` writes. Read off
-# the engines' own loaders (tests/test_vllm_lora_conformance.py runs vLLM's). vLLM: a model class that leaves
-# `is_3d_moe_weight` False gets the 2-D MoE LoRA wrapper, which takes per-expert keys (experts.{e}.gate_proj, ...)
-# and refuses the fused PEFT layout (unless the server runs --enable-mixed-moe-lora-format and each load request says
-# is_3d_lora_weight, which Mint's load call does not); one that sets it True takes only the fused layout. vLLM serves
-# a qwen3_next checkpoint as Qwen3NextForCausalLM and a qwen3_5_moe_text one as Qwen3_5MoeForCausalLM (both 2-D), and
-# the qwen3_5_moe VLM checkpoint as Qwen3_5MoeForConditionalGeneration (3-D). SGLang's loader takes per-expert keys
-# for every FusedMoE (sglang/srt/lora/lora.py). `mint serve` fuses a per-expert directory back, so it reads both.
+# the engines' own loaders (tests/test_vllm_lora_conformance.py runs vLLM's; docs/mint.md names the classes). vLLM: a
+# model class that leaves `is_3d_moe_weight` False gets the 2-D MoE LoRA wrapper, which takes per-expert keys
+# (experts.{e}.gate_proj, ...) and refuses the fused PEFT layout (unless the server runs --enable-mixed-moe-lora-format
+# and each load request says is_3d_lora_weight, which Mint's load call does not); one that sets it True (the qwen3_5_moe
+# VLM class; qwen3_vl_moe and gpt_oss, which Mint does not train yet) takes only the fused layout. SGLang's loader takes
+# per-expert keys for every FusedMoE (sglang/srt/lora/lora.py). `mint serve` fuses a per-expert directory back.
 ENGINE_EXPERT_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
-    "vllm": {
-        "qwen2_moe": ("per-expert",),
-        "qwen3_moe": ("per-expert",),
-        "glm4_moe": ("per-expert",),
-        "qwen3_next": ("per-expert",),
-        "qwen3_5_moe_text": ("per-expert",),
-        "qwen3_5_moe": ("peft",),  # the VLM checkpoint, under VLM_MODULE_PREFIX
-        "qwen3_vl_moe": ("peft",),  # is_3d_moe_weight = True, as gpt_oss; Mint does not train these two yet
-        "gpt_oss": ("peft",),
-    },
+    "vllm": {family: ("per-expert",) for family in PER_EXPERT_FAMILIES}
+    | {family: ("peft",) for family in ("qwen3_5_moe", "qwen3_vl_moe", "gpt_oss")},
     "sglang": {family: ("per-expert",) for family in PER_EXPERT_FAMILIES},
     "mint": {family: ("peft", "per-expert") for family in PER_EXPERT_FAMILIES},  # `mint serve`
 }
@@ -93,6 +85,13 @@ ENGINE_EXPERT_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
 # Qwen3.5 VLM checkpoint (Qwen3_5{Moe}ForConditionalGeneration there), so SGLang is not handed one.
 _SGLANG_VLM = "sglang: LoRA on a {} VLM checkpoint is unchecked; use vllm, or serve the text checkpoint ({}_text)"
 ENGINE_REFUSED_FAMILIES = {"sglang": {vlm: _SGLANG_VLM.format(vlm, vlm) for vlm in ("qwen3_5_moe", "qwen3_5")}}
+
+# Target modules an engine loads LoRA for on a family but does not apply on every token. vLLM's MLAAttention decodes
+# with W_UK_T / W_UV split off kv_b_proj's base weight at load and calls kv_b_proj (its LoRA) only in prefill, yet its
+# loader fills kv_b_proj's buffers: it would serve another model than the learner's. SGLang folds kv_b_proj's LoRA
+# into its absorbed path (sglang/srt/lora/deepseek_mla_correction.py) and is handed it.
+_VLLM_KV_B = "vllm drops kv_b_proj LoRA on {} in decode (absorbed MLA); drop it from lora.target_modules"
+ENGINE_REFUSED_MODULES = {"vllm": {mla: {"kv_b_proj": _VLLM_KV_B.format(mla)} for mla in MLA_FAMILIES}}
 
 # vLLM's Qwen3_5{Moe}ForConditionalGeneration has its LoRA modules under language_model.model.layers; its
 # hf_to_vllm_mapper (applied to LoRA keys after base_model.model. is dropped) maps the checkpoint's own names,
@@ -256,10 +255,9 @@ def split_experts(
         r = a.shape[0] // E
         if ex.parameter not in ("gate_up_proj", "down_proj"):
             raise MintError(f"per-expert export: unknown fused expert parameter {ex.parameter}")
-        # The per-expert tensors are disjoint views of one copy of A per projection and of B transposed once to
-        # (E, out, r): a clone per expert (768 small allocations per layer at 30B-A3B's 128 experts) made the split
-        # several times slower, and E strided column gathers of B slower still. safetensors writes disjoint views of
-        # one storage as separate tensors; the same view under two names it refuses, hence gate_proj's own A.
+        # Disjoint views of one copy of A per projection and of B transposed once to (E, out, r): a clone per expert
+        # (768 small allocations per layer at 30B-A3B's 128 experts) was several times slower. safetensors writes
+        # disjoint views of one storage apart but refuses one view under two names, hence gate_proj's own A.
         a_E_r_in = a.reshape(E, r, a.shape[-1]).contiguous()
         b_E_out_r = b.reshape(b.shape[0], r, E).permute(2, 0, 1).contiguous()
         if ex.parameter == "gate_up_proj":
@@ -311,10 +309,9 @@ def fuse_experts(per_expert: dict[str, torch.Tensor], adapter_config: dict, base
 
 
 def engine_layout(requested: str, adapter_config: dict, base_config, engine: str = "vllm") -> str:
-    """The layout of the adapter directory `engine` ("vllm", "sglang" or "mint", the `mint serve` server) is handed:
-    "peft" (as trained) or "per-expert".
-
-    A family the engine cannot apply Mint's LoRA on at all (`ENGINE_REFUSED_FAMILIES`) is refused in one line first.
+    """The layout, "peft" (as trained) or "per-expert", of the adapter directory `engine` ("vllm", "sglang" or "mint",
+    the `mint serve` server) is handed. A family it cannot apply Mint's LoRA on (`ENGINE_REFUSED_FAMILIES`), or a target
+    it loads but does not apply there (`ENGINE_REFUSED_MODULES`: kv_b_proj on MLA in vLLM), is refused in one line.
     `base_config` is the base checkpoint's own config (config.json): a VLM one names the family its engine class
     reads (qwen3_5_moe: 3-D experts, peft), and `write_adapter_dir` then writes the VLM's module names.
     Without LoRA on fused experts both layouts hold the same keys: auto gives peft, and either request stands. With
@@ -326,9 +323,12 @@ def engine_layout(requested: str, adapter_config: dict, base_config, engine: str
         raise MintError(f"adapter layout {requested!r} is not one of {', '.join(ENGINE_LAYOUTS)}")
     if engine not in ENGINE_EXPERT_LAYOUTS:
         raise MintError(f"engine {engine!r} is not one of {', '.join(ENGINE_EXPERT_LAYOUTS)}")
-    refused = ENGINE_REFUSED_FAMILIES.get(engine, {}).get(getattr(base_config, "model_type", ""))
-    if refused:
+    if refused := ENGINE_REFUSED_FAMILIES.get(engine, {}).get(getattr(base_config, "model_type", "")):
         raise MintError(refused)
+    targets = adapter_config.get("target_modules") or ()  # names, or PEFT's regex string (then a substring test)
+    for module, why in ENGINE_REFUSED_MODULES.get(engine, {}).get(_text_family(base_config), {}).items():
+        if module in targets:
+            raise MintError(why)
     if not expert_loras(base_config, adapter_config):
         return "peft" if requested == "auto" else requested
     family = getattr(base_config, "model_type", "")
