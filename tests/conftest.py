@@ -62,16 +62,18 @@ def load_fp32(path: str) -> torch.nn.Module:
     return model.eval()
 
 
-def lora_model(path: str) -> torch.nn.Module:
-    """The fp32 base at `path`, frozen, with the default LoRA and lora_B ~ N(0, 0.05^2) (seeded): PEFT starts B at
-    zero, which would make LoRA a no-op on the forward, so every K/V and expert output would ignore it."""
+def lora_model(path: str, target_modules: list[str] | None = None) -> torch.nn.Module:
+    """The fp32 base at `path`, frozen, with the default LoRA (or LoRA on `target_modules` and the experts) and
+    lora_B ~ N(0, 0.05^2) (seeded): PEFT starts B at zero, which would make LoRA a no-op on the forward, so every K/V
+    and expert output would ignore it."""
     from mint.config import LoraConfig
     from mint.models.lora import add_lora
 
     base = load_fp32(path)
     for p in base.parameters():
         p.requires_grad_(False)
-    model = add_lora(base, LoraConfig(), seed=0)
+    lora = LoraConfig() if target_modules is None else LoraConfig(target_modules=target_modules)
+    model = add_lora(base, lora, seed=0)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -288,3 +290,29 @@ def kill_when_logged(metrics: Path, find_pids, steps: int, killed: list[int], wa
     thread = threading.Thread(target=kill, daemon=True)
     thread.start()
     return thread
+
+
+# One GRPO update's worth of inputs for the LongStraw-against-HF tests: G=3 responses of unequal lengths after a
+# P=23 prompt, and a GRPO-shaped objective (policy gradient plus a squared log-ratio to the reference).
+UPDATE_P, UPDATE_LENGTHS, UPDATE_ADV = 23, (2, 5, 9), (1.0, -0.5, 0.7)
+
+
+def update_inputs(vocab: int, prompt_len: int = UPDATE_P, lengths=UPDATE_LENGTHS):
+    gen = torch.Generator().manual_seed(1)
+    tokens_P = torch.randint(0, vocab, (prompt_len,), generator=gen)
+    return tokens_P, [torch.randint(0, vocab, (r,), generator=gen) for r in lengths]
+
+
+def update_objective(i, logp_R, ref_logp_R):
+    loss = -(UPDATE_ADV[i] * logp_R).mean()
+    if ref_logp_R is not None:
+        loss = loss + 0.3 * (logp_R - ref_logp_R).pow(2).mean()
+    return loss, {}
+
+
+def pop_lora_grads(model) -> dict[str, torch.Tensor]:
+    """The LoRA gradients, cloned; every .grad is cleared."""
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    for p in model.parameters():
+        p.grad = None
+    return grads

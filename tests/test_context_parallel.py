@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import build_random_tiny, load_fp32, lora_model
+from conftest import build_random_tiny, lora_model
 
 from longstraw.adapters import adapter_for
 from longstraw.context_parallel import (
@@ -302,18 +302,7 @@ def test_longstraw_cp_on_a_hybrid_base_equals_single_rank(family, mode, tmp_path
 def _mla_worker(rank: int, world: int, path: str, mode: str) -> None:
     from test_mla import TARGETS
 
-    from mint.config import LoraConfig
-    from mint.models.lora import add_lora
-
-    base = load_fp32(path)
-    for p in base.parameters():
-        p.requires_grad_(False)
-    model = add_lora(base, LoraConfig(target_modules=TARGETS), seed=0)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    model = lora_model(path, TARGETS)
     gen = torch.Generator().manual_seed(1)
     tokens_P = torch.randint(0, model.config.vocab_size, (P,), generator=gen)
     responses = [torch.randint(0, model.config.vocab_size, (r,), generator=gen) for r in LENGTHS]

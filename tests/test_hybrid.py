@@ -11,7 +11,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_random_tiny, load_fp32
+from conftest import (
+    UPDATE_ADV,
+    UPDATE_LENGTHS,
+    UPDATE_P,
+    build_random_tiny,
+    load_fp32,
+    lora_model,
+    pop_lora_grads,
+    update_inputs,
+    update_objective,
+)
 from transformers import DynamicCache
 
 from longstraw.adapters import LayeredState, adapter_for
@@ -22,13 +32,9 @@ from longstraw.memory import GraphMeter, module_storages
 from longstraw.replay import score_responses
 from longstraw.routing import RouteRecorder, RouteReplay, SequenceRoutes
 from longstraw.scoring import token_logprobs
-from mint.config import LoraConfig
-from mint.models.lora import add_lora
 
 FAMILIES = ["qwen3_5_moe", "qwen3_next", "qwen3_5"]
-P = 23
-LENGTHS = (2, 5, 9)
-ADV = (1.0, -0.5, 0.7)
+P, LENGTHS = UPDATE_P, UPDATE_LENGTHS
 TEMPERATURE = 0.9
 CHUNK = 7
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj")
@@ -49,41 +55,6 @@ def hybrid_path(request, tmp_path_factory) -> str:
     return path
 
 
-def _lora_model(path: str):
-    base = load_fp32(path)
-    for p in base.parameters():
-        p.requires_grad_(False)
-    names = {name.rsplit(".", 1)[-1] for name, _ in base.named_modules()}
-    targets = [t for t in PROJECTIONS if t in names]
-    model = add_lora(base, LoraConfig(target_modules=targets), seed=0)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
-
-
-def _inputs(vocab: int, prompt_len: int = P):
-    gen = torch.Generator().manual_seed(1)
-    tokens_P = torch.randint(0, vocab, (prompt_len,), generator=gen)
-    return tokens_P, [torch.randint(0, vocab, (r,), generator=gen) for r in LENGTHS]
-
-
-def _objective(i, logp_R, ref_logp_R):
-    loss = -(ADV[i] * logp_R).mean()
-    if ref_logp_R is not None:
-        loss = loss + 0.3 * (logp_R - ref_logp_R).pow(2).mean()
-    return loss, {}
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
-    for p in model.parameters():
-        p.grad = None
-    return grads
-
-
 def _hf_logp(model, tokens_P, response_R):
     """The response's logprobs from one forward over prompt + response[:-1] (nothing reads the last token's)."""
     logits = model(input_ids=torch.cat([tokens_P, response_R[:-1]])[None]).logits[0]
@@ -100,8 +71,8 @@ def _assert_grads_close(got, want, model):
 
 
 def test_logprobs_match_hf_full_forward(hybrid_path):
-    model = _lora_model(hybrid_path)
-    tokens_P, responses = _inputs(model.config.vocab_size)
+    model = lora_model(hybrid_path, list(PROJECTIONS))
+    tokens_P, responses = update_inputs(model.config.vocab_size)
     adapter = adapter_for(model)
     with torch.no_grad():
         capture = capture_prefix(model, tokens_P, CHUNK, adapter)
@@ -114,7 +85,7 @@ def test_capture_holds_the_state_hf_caches(hybrid_path):
     """The boundary (S, conv window) and the full layer's K/V pages equal what HF's own cache holds after the same
     positions, captured in chunks."""
     model = load_fp32(hybrid_path)
-    tokens_P, _ = _inputs(model.config.vocab_size)
+    tokens_P, _ = update_inputs(model.config.vocab_size)
     state = adapter_for(model).capture(tokens_P[:-1], CHUNK)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -136,20 +107,20 @@ def test_capture_holds_the_state_hf_caches(hybrid_path):
 def test_exact_grads_equal_full_backprop(hybrid_path, budget):
     """Exact mode through the recurrence: the replays' dS reaches the boundary, the prompt backward carries it
     chunk by chunk through the checkpoints; LoRA gradients equal full-sequence backprop."""
-    model = _lora_model(hybrid_path)
-    tokens_P, responses = _inputs(model.config.vocab_size)
+    model = lora_model(hybrid_path, list(PROJECTIONS))
+    tokens_P, responses = update_inputs(model.config.vocab_size)
     for i, r in enumerate(responses):
         with model.disable_adapter(), torch.no_grad():
             ref = _hf_logp(model, tokens_P, r)
-        _objective(i, _hf_logp(model, tokens_P, r), ref)[0].backward()
-    want = _grads(model)
+        update_objective(i, _hf_logp(model, tokens_P, r), ref)[0].backward()
+    want = pop_lora_grads(model)
     spec = UpdateSpec(
         mode="exact", chunk_size=CHUNK, temperature=TEMPERATURE, need_ref=True, replay_budget_bytes=budget,
         checkpoint_min_tokens=4 if budget == 0 else 256,
     )  # fmt: skip
-    metrics = grpo_update(model, tokens_P, responses, _objective, spec)
+    metrics = grpo_update(model, tokens_P, responses, update_objective, spec)
     assert metrics.micro_batches == (len(LENGTHS) if budget == 0 else 1)
-    _assert_grads_close(_grads(model), want, model)
+    _assert_grads_close(pop_lora_grads(model), want, model)
 
 
 def _detach_cache(cache: DynamicCache) -> None:
@@ -207,18 +178,20 @@ def _detached_reference_logp(model, tokens_P, response_R):
 
 
 def test_detached_equals_hf_with_the_boundary_state_held_constant(hybrid_path):
-    model = _lora_model(hybrid_path)
-    tokens_P, responses = _inputs(model.config.vocab_size)
+    model = lora_model(hybrid_path, list(PROJECTIONS))
+    tokens_P, responses = update_inputs(model.config.vocab_size)
     for i, r in enumerate(responses):
-        _objective(i, _detached_reference_logp(model, tokens_P, r), None)[0].backward()
-    want = _grads(model)
+        update_objective(i, _detached_reference_logp(model, tokens_P, r), None)[0].backward()
+    want = pop_lora_grads(model)
     spec = UpdateSpec(mode="detached", chunk_size=CHUNK, temperature=TEMPERATURE, replay_budget_bytes=1 << 30)
-    grpo_update(model, tokens_P, responses, _objective, spec)
-    got = _grads(model)
+    grpo_update(model, tokens_P, responses, update_objective, spec)
+    got = pop_lora_grads(model)
     _assert_grads_close(got, want, model)
     # Detached is another gradient than exact: the state after the prompt is a constant.
-    grpo_update(model, tokens_P, responses, _objective, UpdateSpec(mode="exact", chunk_size=CHUNK, temperature=0.9))
-    exact = _grads(model)
+    grpo_update(
+        model, tokens_P, responses, update_objective, UpdateSpec(mode="exact", chunk_size=CHUNK, temperature=0.9)
+    )
+    exact = pop_lora_grads(model)
     assert max((exact[n] - got[n]).abs().max() for n in got) > 1e-4
 
 
@@ -243,10 +216,10 @@ def test_route_replay_reproduces_the_rollouts_logprobs(hybrid_path, mode):
     """R3 with each router's own rule (Qwen3.5's always-renormalized top-k, Qwen3-Next's norm_topk_prob, the
     sigmoid-gated shared expert untouched): logprobs of an update that replays forced routes equal an HF forward
     under the same routes, and the routers' own picks come back per response."""
-    model = _lora_model(hybrid_path)
+    model = lora_model(hybrid_path, list(PROJECTIONS))
     if not getattr(model.config, "num_experts", 0):
         pytest.skip("dense Qwen3.5 has no routers")
-    tokens_P, responses = _inputs(model.config.vocab_size)
+    tokens_P, responses = update_inputs(model.config.vocab_size)
     routes, forced = _forced_routes(model, tokens_P, responses)
     want = []
     with RouteReplay(model) as hooks, torch.no_grad():
@@ -257,7 +230,7 @@ def test_route_replay_reproduces_the_rollouts_logprobs(hybrid_path, mode):
 
     def objective(i, logp_R, ref_logp_R):
         got[i] = logp_R.detach()
-        return -(ADV[i] * logp_R).mean(), {}
+        return -(UPDATE_ADV[i] * logp_R).mean(), {}
 
     spec = UpdateSpec(mode=mode, chunk_size=CHUNK, temperature=TEMPERATURE, replay_budget_bytes=1 << 30)
     metrics = grpo_update(model, tokens_P, responses, objective, spec, routes=routes)
@@ -270,8 +243,8 @@ def test_route_replay_reproduces_the_rollouts_logprobs(hybrid_path, mode):
 
 
 def test_exact_mode_needs_the_captures_checkpoints(hybrid_path):
-    model = _lora_model(hybrid_path)
-    tokens_P, _ = _inputs(model.config.vocab_size)
+    model = lora_model(hybrid_path, list(PROJECTIONS))
+    tokens_P, _ = update_inputs(model.config.vocab_size)
     adapter = adapter_for(model)
     bare = adapter.capture(tokens_P[:-1], CHUNK)
     with pytest.raises(LongStrawError, match="keep_checkpoints"):
@@ -286,7 +259,7 @@ def test_boundary_state_is_flat_in_the_prompt_length_and_pages_are_not(hybrid_pa
     adapter = adapter_for(model).with_options(keep_checkpoints=True)
     sizes = {}
     for prompt_len in (16, 64):
-        tokens_P, _ = _inputs(model.config.vocab_size, prompt_len)
+        tokens_P, _ = update_inputs(model.config.vocab_size, prompt_len)
         state = adapter.capture(tokens_P[:-1], 8)
         assert isinstance(state, LayeredState)
         boundary = state.parts[LINEAR]
@@ -299,8 +272,8 @@ def test_boundary_state_is_flat_in_the_prompt_length_and_pages_are_not(hybrid_pa
 
 def test_graph_estimate_bounds_the_metered_graph(hybrid_path):
     """replay_graph_bytes, what sizes replay micro-batches, is 1x to 3x the bytes a forward saves for backward."""
-    model = _lora_model(hybrid_path)
-    tokens_P, responses = _inputs(model.config.vocab_size)
+    model = lora_model(hybrid_path, list(PROJECTIONS))
+    tokens_P, responses = update_inputs(model.config.vocab_size)
     adapter = adapter_for(model)
     state = adapter.capture(tokens_P[:-1], CHUNK)
     exclude = module_storages(model) | state.storages()
@@ -319,14 +292,14 @@ def test_flash_linear_attention_path_equals_the_torch_path(hybrid_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("fla")
-    model = _lora_model(hybrid_path).cuda()
-    tokens_P, responses = _inputs(model.config.vocab_size)
+    model = lora_model(hybrid_path, list(PROJECTIONS)).cuda()
+    tokens_P, responses = update_inputs(model.config.vocab_size)
     tokens_P, responses = tokens_P.cuda(), [r.cuda() for r in responses]
     results = []
     for kernels in ("on", "off"):
         spec = UpdateSpec(mode="exact", chunk_size=CHUNK, temperature=TEMPERATURE, kernels=kernels)
-        grpo_update(model, tokens_P, responses, _objective, spec)
-        results.append(_grads(model))
+        grpo_update(model, tokens_P, responses, update_objective, spec)
+        results.append(pop_lora_grads(model))
     for name in results[1]:
         torch.testing.assert_close(results[0][name], results[1][name], atol=1e-4, rtol=1e-3, msg=name)
 
@@ -334,21 +307,23 @@ def test_flash_linear_attention_path_equals_the_torch_path(hybrid_path):
 def test_resident_from_a_fresh_capture_is_detached_and_ages(hybrid_path):
     """Resident mode keeps the LayeredState (pages and boundary) across updates: from a fresh capture its gradient
     is detached mode's; after an optimizer step the kept state is stale by design and the gradient moves."""
-    model = _lora_model(hybrid_path)
-    tokens_P, responses = _inputs(model.config.vocab_size)
+    model = lora_model(hybrid_path, list(PROJECTIONS))
+    tokens_P, responses = update_inputs(model.config.vocab_size)
     spec = dict(chunk_size=CHUNK, temperature=TEMPERATURE)
-    grpo_update(model, tokens_P, responses, _objective, UpdateSpec(mode="detached", **spec))
-    detached = _grads(model)
+    grpo_update(model, tokens_P, responses, update_objective, UpdateSpec(mode="detached", **spec))
+    detached = pop_lora_grads(model)
     kept = capture_prefix(model, tokens_P, CHUNK)
-    metrics = grpo_update(model, tokens_P, responses, _objective, UpdateSpec(mode="resident", **spec), capture=kept)
-    _assert_grads_close(_grads(model), detached, model)
+    metrics = grpo_update(
+        model, tokens_P, responses, update_objective, UpdateSpec(mode="resident", **spec), capture=kept
+    )
+    _assert_grads_close(pop_lora_grads(model), detached, model)
     assert metrics.prefix_age == 0 and kept.age == 1 and isinstance(kept.state, LayeredState)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_A" in name:
                 p.mul_(1.5)
-    grpo_update(model, tokens_P, responses, _objective, UpdateSpec(mode="resident", **spec), capture=kept)
-    stale = _grads(model)
-    grpo_update(model, tokens_P, responses, _objective, UpdateSpec(mode="detached", **spec))
-    fresh = _grads(model)
+    grpo_update(model, tokens_P, responses, update_objective, UpdateSpec(mode="resident", **spec), capture=kept)
+    stale = pop_lora_grads(model)
+    grpo_update(model, tokens_P, responses, update_objective, UpdateSpec(mode="detached", **spec))
+    fresh = pop_lora_grads(model)
     assert max((stale[n] - fresh[n]).abs().max() for n in fresh) > 1e-5

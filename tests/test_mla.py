@@ -12,7 +12,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_random_tiny, load_fp32
+from conftest import (
+    UPDATE_ADV,
+    UPDATE_LENGTHS,
+    UPDATE_P,
+    build_random_tiny,
+    load_fp32,
+    lora_model,
+    pop_lora_grads,
+    update_inputs,
+    update_objective,
+)
 
 from longstraw.adapters import adapter_for
 from longstraw.adapters.mla import LatentState
@@ -21,13 +31,9 @@ from longstraw.memory import GraphMeter, module_storages
 from longstraw.replay import score_responses
 from longstraw.routing import RouteRecorder, RouteReplay, SequenceRoutes
 from longstraw.scoring import token_logprobs
-from mint.config import LoraConfig
-from mint.models.lora import add_lora
 
 FAMILIES = ["deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"]
-P = 23
-LENGTHS = (2, 5, 9)
-ADV = (1.0, -0.5, 0.7)
+P, LENGTHS = UPDATE_P, UPDATE_LENGTHS
 TEMPERATURE = 0.9
 CHUNK = 7
 TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -46,39 +52,6 @@ def mla_path(request, tmp_path_factory) -> str:
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(path)
     return path
-
-
-def _lora_model(path: str):
-    base = load_fp32(path)
-    for p in base.parameters():
-        p.requires_grad_(False)
-    model = add_lora(base, LoraConfig(target_modules=TARGETS), seed=0)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
-
-
-def _inputs(vocab: int):
-    gen = torch.Generator().manual_seed(1)
-    tokens_P = torch.randint(0, vocab, (P,), generator=gen)
-    return tokens_P, [torch.randint(0, vocab, (r,), generator=gen) for r in LENGTHS]
-
-
-def _objective(i, logp_R, ref_logp_R):
-    loss = -(ADV[i] * logp_R).mean()
-    if ref_logp_R is not None:
-        loss = loss + 0.3 * (logp_R - ref_logp_R).pow(2).mean()
-    return loss, {}
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
-    for p in model.parameters():
-        p.grad = None
-    return grads
 
 
 def _hf_logp(model, tokens_P, response_R, detach_prompt_pages=False):
@@ -108,8 +81,8 @@ def _assert_grads_close(got, want):
 
 
 def test_logprobs_match_hf_full_forward(mla_path):
-    model = _lora_model(mla_path)
-    tokens_P, responses = _inputs(model.config.vocab_size)
+    model = lora_model(mla_path, TARGETS)
+    tokens_P, responses = update_inputs(model.config.vocab_size)
     adapter = adapter_for(model)
     with torch.no_grad():
         capture = capture_prefix(model, tokens_P, CHUNK, adapter)
@@ -124,26 +97,26 @@ def test_logprobs_match_hf_full_forward(mla_path):
 def test_grads_equal_hf_backprop(mla_path, mode, budget):
     """exact: full-sequence backprop. detached: backprop with the prompt's pages (latent and rope key) constant;
     kv_b_proj's up-projection stays live over the prefix through the queries and outputs."""
-    model = _lora_model(mla_path)
-    tokens_P, responses = _inputs(model.config.vocab_size)
+    model = lora_model(mla_path, TARGETS)
+    tokens_P, responses = update_inputs(model.config.vocab_size)
     for i, r in enumerate(responses):
         with model.disable_adapter(), torch.no_grad():
             ref = _hf_logp(model, tokens_P, r)
-        _objective(i, _hf_logp(model, tokens_P, r, mode == "detached"), ref)[0].backward()
-    want = _grads(model)
+        update_objective(i, _hf_logp(model, tokens_P, r, mode == "detached"), ref)[0].backward()
+    want = pop_lora_grads(model)
     spec = UpdateSpec(
         mode=mode, chunk_size=CHUNK, temperature=TEMPERATURE, need_ref=True, replay_budget_bytes=budget,
         checkpoint_min_tokens=4 if budget == 0 else 256,
     )  # fmt: skip
-    grpo_update(model, tokens_P, responses, _objective, spec)
-    _assert_grads_close(_grads(model), want)
+    grpo_update(model, tokens_P, responses, update_objective, spec)
+    _assert_grads_close(pop_lora_grads(model), want)
 
 
 def test_pages_are_the_latent_not_the_expansion(mla_path):
     """One [kv_lora_rank + qk_rope_head_dim] page per token and layer, stored once though it serves as key and value,
     and one gradient buffer of that size."""
     model = load_fp32(mla_path)
-    tokens_P, _ = _inputs(model.config.vocab_size)
+    tokens_P, _ = update_inputs(model.config.vocab_size)
     state = adapter_for(model).capture(tokens_P[:-1], CHUNK)
     c = model.config
     width = c.kv_lora_rank + c.qk_rope_head_dim
@@ -158,8 +131,8 @@ def test_pages_are_the_latent_not_the_expansion(mla_path):
 def test_route_replay_reproduces_forced_routes(mla_path, mode):
     """R3 on the V3-style router (sigmoid, score-correction bias, groups, routed scaling): logprobs of an update
     replaying forced routes equal an HF forward under the same routes."""
-    model = _lora_model(mla_path)
-    tokens_P, responses = _inputs(model.config.vocab_size)
+    model = lora_model(mla_path, TARGETS)
+    tokens_P, responses = update_inputs(model.config.vocab_size)
     recorded = []
     with RouteRecorder(model) as recorder, torch.no_grad():
         for r in responses:
@@ -182,7 +155,7 @@ def test_route_replay_reproduces_forced_routes(mla_path, mode):
 
     def objective(i, logp_R, ref_logp_R):
         got[i] = logp_R.detach()
-        return -(ADV[i] * logp_R).mean(), {}
+        return -(UPDATE_ADV[i] * logp_R).mean(), {}
 
     spec = UpdateSpec(mode=mode, chunk_size=CHUNK, temperature=TEMPERATURE, replay_budget_bytes=1 << 30)
     grpo_update(model, tokens_P, responses, objective, spec, routes=routes)
@@ -194,8 +167,8 @@ def test_route_replay_reproduces_forced_routes(mla_path, mode):
 
 
 def test_graph_estimate_bounds_the_metered_graph(mla_path):
-    model = _lora_model(mla_path)
-    tokens_P, responses = _inputs(model.config.vocab_size)
+    model = lora_model(mla_path, TARGETS)
+    tokens_P, responses = update_inputs(model.config.vocab_size)
     adapter = adapter_for(model)
     state = adapter.capture(tokens_P[:-1], CHUNK)
     exclude = module_storages(model) | state.storages()
@@ -216,7 +189,7 @@ def test_dsa_beyond_index_topk_is_refused_in_one_line(tmp_path):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("glm_moe_dsa", 97, index_topk=16)).eval()
-    tokens_P, responses = _inputs(97)
+    tokens_P, responses = update_inputs(97)
     with pytest.raises(LongStrawError, match="exceed DSA's index_topk 16") as err:
-        grpo_update(model, tokens_P, responses, _objective, UpdateSpec(mode="detached", chunk_size=CHUNK))
+        grpo_update(model, tokens_P, responses, update_objective, UpdateSpec(mode="detached", chunk_size=CHUNK))
     assert "\n" not in str(err.value)
