@@ -34,6 +34,17 @@ dims, random bf16 weights, LoRA r on q/k/v/o of the full layer and on the fused 
   chunk         the same checkpointed over a C-token prompt chunk (exact mode's prompt backward)
   chunk peak    tensor peak (TensorPeak) of one layer's forward + backward over C tokens: the recompute of one
                 chunk's layer in the prompt backward, the working buffers `mint plan` adds
+
+MLA shapes (GLM-4.7-Flash, GLM-5, DeepSeek-V3.2, Kimi-K2.5) run one configuration, `mla`: --layers MoE decoder layers
+of transformers' own classes (Glm4MoeLite, GlmMoeDsa, DeepseekV32, DeepseekV3) at the real dims, random bf16 weights,
+a 512-token vocab, LoRA r on q_a/q_b, kv_a_proj_with_mqa, kv_b_proj, o_proj and the fused experts (factored);
+--experts builds fewer routed experts than the real count (top-k and widths unchanged: the per-token figures stay, the
+weights shrink; GLM-5's 256 would be 19 GB of bf16 per layer). It measures the figures above for one MLA layer (mla_*)
+and, from a real capture (transformers' cache after the P-token prompt, which holds the latent):
+  latent        the normed latent [1, 1, P, kv_lora_rank] and the roped key [1, 1, P, qk_rope_head_dim]
+  expanded      the module's own expand_kv of them: K [1, heads, P, nope + rope], V [1, heads, P, v]
+  indexer       DSA: the indexer keys [1, P, index_head_dim]
+  expanded_over_latent_prefix_bytes = expanded K/V bytes per token over latent page bytes per token.
 The last line printed is one JSON object.
 """
 
@@ -67,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "prompt-backward recompute of one chunk's MoE layer sets exact mode's peak)",
     )
     ap.add_argument("--rank", type=int, default=32, help="LoRA rank")
+    ap.add_argument("--experts", type=int, default=0, help="MLA shapes: routed experts built (0: the real count)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--configs", default="", help="comma list (default: all that apply)")
     ap.add_argument("--save", action="store_true", help="write mint/models/measured/<shape>.json")
@@ -194,26 +206,103 @@ def worker_naive(args, tensors: bool) -> dict:
 
 
 def build_hybrid(args):
-    """The hybrid model with --layers layers of the real dims, a 512-token vocab and factored LoRA."""
+    """The hybrid or MLA model with --layers layers of the real dims, a 512-token vocab and factored LoRA (an MLA
+    shape's on its recipe targets, `mla_lora_modules`; --experts routed experts when given)."""
     import dataclasses
 
     from transformers import AutoModelForCausalLM
 
     from mint.config import LoraConfig
     from mint.models.lora import add_lora
+    from mint.models.plan import mla_lora_modules
     from mint.models.shapes import layer_config, shape
 
     torch.manual_seed(0)
-    small_vocab = dataclasses.replace(shape(args.shape), vocab=512)
-    cfg = layer_config(small_vocab, args.layers, max_positions=args.prompt_len + args.response_len + 16)
+    small = dataclasses.replace(shape(args.shape), vocab=512, experts=args.experts or shape(args.shape).experts)
+    cfg = layer_config(small, args.layers, max_positions=args.prompt_len + args.response_len + 16)
     base = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval().requires_grad_(False)
-    return add_lora(base, LoraConfig(rank=args.rank, alpha=2.0 * args.rank), seed=0)
+    lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
+    if small.mla:
+        lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank, target_modules=list(mla_lora_modules(small)))
+    return add_lora(base, lora, seed=0)
+
+
+def worker_mla(args) -> dict:
+    """One MLA MoE layer's figures, and its latent, expanded K/V and indexer pages from a real capture."""
+    from longstraw.memory import GraphMeter, TensorPeak, module_storages
+
+    model = build_hybrid(args)
+    inner = model.get_base_model().model
+    layer, cfg, P = inner.layers[0], inner.config, args.prompt_len
+    params = list(layer.named_parameters())
+    out: dict = {
+        "experts_built": cfg.n_routed_experts,
+        "mla_weight_bytes": sum(p.nbytes for n, p in params if "lora_" not in n),
+        "mla_lora_params": sum(p.numel() for n, p in params if "lora_" in n),
+    }
+    tokens_P = torch.randint(0, cfg.vocab_size, (1, P), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = model(input_ids=tokens_P, use_cache=True).past_key_values
+        latent, k_rot = cache.layers[0].keys, cache.layers[0].values  # what the module caches: [1, 1, P, C], [.., R]
+        keys, values = layer.self_attn.expand_kv(latent, k_rot)  # [1, heads, P, nope + rope], [1, heads, P, v]
+    page = (latent.nbytes + k_rot.nbytes) / P
+    out.update(
+        latent_shape=list(latent.shape),
+        rope_key_shape=list(k_rot.shape),
+        latent_dtype=str(latent.dtype),
+        expanded_k_shape=list(keys.shape),
+        expanded_v_shape=list(values.shape),
+        latent_bytes_per_token_layer=page,
+        expanded_kv_bytes_per_token_layer=(keys.nbytes + values.nbytes) / P,
+        expanded_over_latent_prefix_bytes=(keys.nbytes + values.nbytes) / P / page,
+    )
+    index_keys = getattr(cache.layers[0], "indexer_keys", None)
+    if index_keys is not None:  # DSA: [1, P, index_head_dim], no gradient
+        out.update(indexer_key_shape=list(index_keys.shape), indexer_bytes_per_token_layer=index_keys.nbytes / P)
+    del cache, latent, k_rot, keys, values, index_keys
+
+    def layer_fn(n, start):
+        position_ids = torch.arange(start, start + n)[None]
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]  # the DSA indexer needs an explicit mask
+
+        def f(x):
+            pos = inner.rotary_emb(x, position_ids)
+            y = layer(x, attention_mask=mask, position_embeddings=pos, position_ids=position_ids)
+            return y[0] if isinstance(y, tuple) else y  # a DSA layer also returns its top-k indices
+
+        return f
+
+    out.update(_layer_figures(args, "mla", layer_fn, cfg.hidden_size, module_storages(model), GraphMeter, TensorPeak))
+    return out
+
+
+def _layer_figures(args, kind, layer_fn, hidden, weights, GraphMeter, TensorPeak) -> dict:
+    """Saved bytes per token of one layer on R response tokens (plain and checkpointed) and on a C-token prompt chunk
+    (checkpointed), and the tensor peak of its forward + backward over the chunk."""
+    from torch.utils.checkpoint import checkpoint
+
+    out, gen = {}, torch.Generator().manual_seed(4)
+    for name, n in (("replay", args.response_len), ("chunk", min(args.chunk, args.prompt_len))):
+        x = torch.randn(1, n, hidden, generator=gen).to(torch.bfloat16).requires_grad_(True)
+        f = layer_fn(n, args.prompt_len)
+        if name == "replay":
+            with GraphMeter(weights) as meter:
+                y = f(x)
+            out[f"{kind}_replay_saved_bytes_per_token"] = meter.nbytes / n
+            del y
+        with GraphMeter(weights) as meter:
+            y = checkpoint(f, x, use_reentrant=False)
+        out[f"{kind}_ckpt_{name}_saved_bytes_per_token"] = meter.nbytes / n
+        del y
+    x = torch.randn(1, n, hidden, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    with TensorPeak() as peak:
+        f(x).float().square().mean().backward()
+    out[f"{kind}_chunk_layer_peak_bytes"] = peak.nbytes
+    return out
 
 
 def worker_hybrid(args) -> dict:
     """Per-layer figures of a hybrid's two layer kinds, and its boundary state from a real capture."""
-    from torch.utils.checkpoint import checkpoint
-
     from longstraw.memory import GraphMeter, TensorPeak, module_storages
 
     model = build_hybrid(args)
@@ -254,28 +343,13 @@ def worker_hybrid(args) -> dict:
         pos = inner.rotary_emb(x, position_ids)
         return layer(x, position_embeddings=pos, position_ids=position_ids, attention_mask=None)
 
-    def layer_fn(i, n, start):
-        position_ids = torch.arange(start, start + n)[None]
-        return lambda x: run_layer(i, x, position_ids)
-
-    gen = torch.Generator().manual_seed(4)
     for i, kind in ((lin, "linear"), (full, "full")):
-        for name, n in (("replay", args.response_len), ("chunk", min(args.chunk, args.prompt_len))):
-            x = torch.randn(1, n, cfg.hidden_size, generator=gen).to(torch.bfloat16).requires_grad_(True)
-            f = layer_fn(i, n, args.prompt_len)
-            if name == "replay":
-                with GraphMeter(weights) as meter:
-                    y = f(x)
-                out[f"{kind}_replay_saved_bytes_per_token"] = meter.nbytes / n
-                del y
-            with GraphMeter(weights) as meter:
-                y = checkpoint(f, x, use_reentrant=False)
-            out[f"{kind}_ckpt_{name}_saved_bytes_per_token"] = meter.nbytes / n
-            del y
-        x = torch.randn(1, n, cfg.hidden_size, generator=gen).to(torch.bfloat16).requires_grad_(True)
-        with TensorPeak() as peak:
-            f(x).float().square().mean().backward()
-        out[f"{kind}_chunk_layer_peak_bytes"] = peak.nbytes
+
+        def layer_fn(n, start, i=i):
+            position_ids = torch.arange(start, start + n)[None]
+            return lambda x: run_layer(i, x, position_ids)
+
+        out.update(_layer_figures(args, kind, layer_fn, cfg.hidden_size, weights, GraphMeter, TensorPeak))
         model.zero_grad(set_to_none=True)
     return out
 
@@ -284,6 +358,8 @@ def worker(args) -> dict:
     torch.set_num_threads(args.threads)
     if args.worker == "hybrid":
         return worker_hybrid(args)
+    if args.worker == "mla":
+        return worker_mla(args)
     if args.worker == "equality":
         return worker_equality(args)
     name, _, meter = args.worker.partition(":")  # "<config>:tensors" measures the tensor peak (TensorPeak) instead
@@ -294,7 +370,7 @@ def worker(args) -> dict:
 
 def run_worker(args, config: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", config]
-    for key in ("shape", "layers", "prompt_len", "group", "response_len", "chunk", "rank", "threads"):
+    for key in ("shape", "layers", "prompt_len", "group", "response_len", "chunk", "rank", "threads", "experts"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     t0 = time.time()
@@ -315,7 +391,7 @@ def main() -> None:
         return
     from mint.models.shapes import shape
 
-    if shape(args.shape).hybrid:
+    if shape(args.shape).hybrid or shape(args.shape).mla:
         return hybrid_main(args)
     configs = args.configs.split(",") if args.configs else ["equality", "materialized", "factored", "factored_ckpt"]
     if not args.configs and args.prompt_len >= 2048:
@@ -386,13 +462,19 @@ def save(args, summary: dict) -> None:
 
 
 def hybrid_main(args) -> None:
-    """One `hybrid` run; per_layer holds what `mint plan` reads, keyed by layer kind."""
-    run = run_worker(args, "hybrid")
-    keys = [k for k in run if k.endswith(("_per_token", "_peak_bytes", "_weight_bytes", "_lora_params"))]
+    """One `hybrid` (or `mla`) run; per_layer holds what `mint plan` reads, keyed by layer kind."""
+    from mint.models.shapes import shape
+
+    config = "mla" if shape(args.shape).mla else "hybrid"
+    run = run_worker(args, config)
+    keys = [k for k in run if k.endswith(("_per_token", "_peak_bytes", "_weight_bytes", "_lora_params", "_layer"))]
     per_layer = {k: run[k] for k in keys}
-    per_layer["boundary_state_bytes_per_linear_layer"] = run["boundary_state_bytes_per_linear_layer"]
-    per_layer["kv_bytes_per_token_full_layer"] = run["kv_bytes_per_token_full_layer"]
+    if config == "hybrid":
+        per_layer["boundary_state_bytes_per_linear_layer"] = run["boundary_state_bytes_per_linear_layer"]
+        per_layer["kv_bytes_per_token_full_layer"] = run["kv_bytes_per_token_full_layer"]
+    top = {k: run[k] for k in ("expanded_over_latent_prefix_bytes", "experts_built") if k in run}
     summary = dict(
+        **top,
         shape=args.shape,
         layers=args.layers,
         P=args.prompt_len,
@@ -402,7 +484,7 @@ def hybrid_main(args) -> None:
         dtype="bfloat16",
         device="cpu",
         per_layer=per_layer,
-        runs={"hybrid": run},
+        runs={config: run},
     )
     save(args, summary)
     print(json.dumps(summary))

@@ -1,6 +1,7 @@
 """The per-GPU memory plan (`mint plan`, mint.models.plan): its parameter counts against the published totals and a
-real PEFT model, the verdicts docs/scaling.md states, and the hybrid shapes' prompt-state terms (K/V of the full layers,
-boundary state of the linear layers, exact mode's state checkpoints and gradients)."""
+real PEFT model, the verdicts docs/scaling.md states, the hybrid shapes' prompt-state terms (K/V of the full layers,
+boundary state of the linear layers, exact mode's state checkpoints and gradients) and the MLA shapes' (latent pages,
+their fp32 gradient, DSA indexer pages and the optional indexer-replay record)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from mint.models.plan import (
     Job,
     lora_params,
     make_plan,
+    mla_lora_modules,
     param_counts,
     parse_bytes,
     state_checkpoints,
@@ -40,20 +42,24 @@ def test_parameter_counts_reproduce_the_published_totals(key):
         # Their cards give whole billions (+-0.5 B), and the Qwen3.5 ones count the vision tower (about 0.45 B) that
         # the text model does not load. A wrong width still shows: 397B-A17B with a 4096-wide shared expert is 398.6.
         assert s.total_params_b - 1.0 <= total <= s.total_params_b + 0.5
+    elif s.params_rounding_b:
+        # A rounded headline (GLM-4.7-Flash "30B", GLM-5 "744B", Kimi-K2.5 "1T"): within half its rounding unit.
+        assert abs(total - s.total_params_b) <= s.params_rounding_b / 2
     else:
         assert total == pytest.approx(s.total_params_b, rel=0.005)
 
 
 @pytest.mark.parametrize("key", sorted(SHAPES))
 def test_parameter_counts_equal_a_built_layer(key):
-    """One MoE layer of the real config (a hybrid: its 4-layer block, 3 Gated DeltaNet + 1 gated full attention),
-    built on the meta device from transformers' own classes: attention, experts and the rest add up."""
+    """One MoE layer of the real config (a hybrid: its 4-layer block, 3 Gated DeltaNet + 1 gated full attention; a DSA
+    shape: an MLA layer with its indexer), built on the meta device from transformers' own classes: attention,
+    experts and the rest add up."""
     s = shape(key)
     n = 4 if s.hybrid else 1
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(layer_config(s, n))
     built = sum(p.numel() for p in model.parameters())
-    block = RealShape(**{**s.__dict__, "layers": n, "dense_layers": 0})
+    block = RealShape(**{**s.__dict__, "layers": n, "dense_layers": 0, "indexer_layers": n if s.dsa else 0})
     assert sum(param_counts(block).values()) == pytest.approx(built, rel=1e-3)
 
 
@@ -229,3 +235,106 @@ def test_qwen35_122b_a10b_recipe_fits_4_learner_h20s_only_with_experts_split():
     job = Job(16384, 8, 4096, chunk=4096, data_parallel=4, expert_parallel=4)
     assert make_plan(s, key, job, 96 * GiB).fits
     assert not make_plan(s, key, Job(16384, 8, 4096, chunk=4096, data_parallel=4), 96 * GiB).fits
+
+
+def _tiny_mla(family: str) -> RealShape:
+    dsa = family in ("glm_moe_dsa", "deepseek_v32")
+    return RealShape(
+        f"tiny-{family}",
+        family,
+        hidden=64,
+        layers=2,
+        dense_layers=0,
+        heads=4,
+        kv_heads=4,
+        head_dim=24,
+        experts=4,
+        top_k=2,
+        moe_intermediate=32,
+        intermediate=96,
+        shared_intermediate=32,
+        vocab=97,
+        total_params_b=0.0,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        index_heads=2 if dsa else 0,
+        index_head_dim=16 if dsa else 0,
+        index_topk=8 if dsa else 0,
+        indexer_layers=2 if dsa else 0,
+    )
+
+
+@pytest.mark.parametrize("family", ["glm4_moe_lite", "glm_moe_dsa", "deepseek_v3", "deepseek_v32"])
+def test_mla_parameter_and_lora_counts_equal_a_built_peft_model(family):
+    """An MLA model's parameters (with its DSA indexers) and its LoRA on the MLA recipe's targets (q_a/q_b,
+    kv_a_proj_with_mqa, kv_b_proj, o_proj, the fused experts; nothing on the indexer), against transformers + PEFT."""
+    tiny = _tiny_mla(family)
+    base = AutoModelForCausalLM.from_config(layer_config(tiny, 2))
+    norms = (2 * tiny.layers + 1) * tiny.hidden  # the decoder's RMSNorms, which param_counts leaves out
+    assert sum(p.numel() for p in base.parameters()) - norms == sum(param_counts(tiny).values())
+    lora = LoraConfig(rank=8, target_modules=list(mla_lora_modules(tiny)))
+    model = add_lora(base.requires_grad_(False), lora, seed=0)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert not [n for n in trainable if "indexer" in n]
+    assert lora_params(tiny, 8) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_glm5_mla_terms_match_the_hand_figures():
+    """GLM-5 at P=128k, G=2, R=4096, CP=2: latent pages 78 x (512 + 64) x bf16 = 87.75 KiB per token, their fp32
+    gradient twice that, indexer pages 78 x 128 x bf16 = 19.5 KiB per token (no gradient), and the indexer-replay record
+    2 x 4096 x 78 x 2048 x int32 = 4.88 GiB, 0 while off."""
+    s, P = shape("glm5"), 131072
+    assert s.latent_bytes_per_token(2) == 78 * 576 * 2 == 89856
+    assert s.indexer_bytes_per_token(2) == 78 * 128 * 2
+    job = Job(P, 2, 4096, context_parallel=2)
+    plan = make_plan(s, "glm5", job, 96 * GiB)
+    assert plan.terms["prefix latent pages (78 layers x 576)"] == P * 89856 / 2
+    assert plan.terms["prefix dLatent (fp32, 78 layers)"] == 2 * P * 89856 / 2
+    assert plan.terms["indexer pages (78 layers x 128, no gradient)"] == P * 78 * 128 * 2 / 2
+    assert plan.terms["indexer replay record (off)"] == 0
+    on = make_plan(s, "glm5", Job(P, 2, 4096, context_parallel=2, indexer_replay=True), 96 * GiB)
+    assert on.terms["indexer replay record (on)"] == 2 * 4096 * 78 * 2048 * 4
+    assert on.terms["indexer replay record (on)"] / GiB == pytest.approx(4.875)
+    assert on.total - plan.total == 2 * 4096 * 78 * 2048 * 4
+    detached = make_plan(s, "glm5", Job(P, 2, 4096, mode="detached"), 96 * GiB)
+    assert not _hybrid_terms(detached, "prefix dLatent") and _hybrid_terms(detached, "indexer pages")
+
+
+def test_glm5_latent_pages_are_over_30x_below_expanded_kv():
+    """The latent term against what expanded per-head K/V (64 heads x (192 + 64 + 256)) would hold: 56.9x at GLM-5,
+    in the plan's arithmetic and as measured on the tensors the module caches and expands (bench/real_shapes.py)."""
+    s, P = shape("glm5"), 131072
+    latent = make_plan(s, "glm5", Job(P, 2, 4096), 96 * GiB).terms["prefix latent pages (78 layers x 576)"]
+    expanded = P * s.expanded_kv_bytes_per_token(2)
+    assert expanded == P * 78 * 64 * 512 * 2
+    assert expanded / latent >= 30 and expanded / latent == pytest.approx(512 * 64 / 576)
+    m = json.loads((MEASURED / "glm5.json").read_text())
+    assert m["expanded_over_latent_prefix_bytes"] >= 30
+    assert m["expanded_over_latent_prefix_bytes"] == pytest.approx(expanded / latent)
+    per_layer = m["per_layer"]
+    assert s.layers * per_layer["latent_bytes_per_token_layer"] == s.latent_bytes_per_token(2)
+    assert s.indexer_layers * per_layer["indexer_bytes_per_token_layer"] == s.indexer_bytes_per_token(2)
+
+
+def test_mint_plan_on_the_glm47_flash_recipe_fits_and_shows_every_mla_term():
+    cmd = [sys.executable, "-m", "mint.cli", "plan", "recipes/glm47_flash_8xh20.toml", "--gpus", "4"]
+    proc = subprocess.run(
+        [*cmd, "--gpu-memory", "96GB", "--prompt-len", "16384"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "GLM-4.7-Flash" in proc.stdout and "fits in 96 GiB" in proc.stdout
+    for term in (
+        "frozen base weights",
+        "LoRA + grads + AdamW",
+        "prefix latent pages (47 layers x 576)",
+        "prefix dLatent (fp32, 47 layers)",
+        "prompt-backward chunk graph",
+        "replay graph",
+        "working buffers",
+        "expanded K/V would be",
+    ):
+        assert term in proc.stdout, term
+    assert "indexer" not in proc.stdout  # GLM-4.7-Flash has no DSA indexer

@@ -23,6 +23,17 @@ Hybrid shapes (Gated DeltaNet + gated full attention, `RealShape.hybrid`) count 
     chunk / replay       the measured per-token figures of each layer kind x its layer count
     working buffers      the measured tensor peak of one layer's forward + backward over a chunk, scaled to C
 Nothing in the boundary terms is split over a context-parallel group (the recurrence runs the prompt in order).
+
+MLA shapes (`RealShape.mla`: DeepSeek-V3.2, GLM-4.7-Flash, GLM-5, Kimi-K2.5) count instead:
+    prefix latent pages  P x layers x (kv_lora_rank + qk_rope_head_dim) in the dtype, over the CP group: the normed
+                         latent and the roped key LongStraw keeps instead of expanded K/V (heads x (nope + rope + v))
+    indexer pages        DSA only: P x indexer layers x index_head_dim in the dtype, over the CP group; no gradient
+    prefix dLatent       exact mode: the latent pages' shape in fp32 (dC, dKr)
+    indexer replay       DSA, off by default (Job.indexer_replay): index_topk int32 key indices per response token
+                         and indexer layer, G x R of them; shown as 0 when off, with what it would take
+    chunk / replay       the measured per-token figures of one MLA MoE layer x the layer count (the dense first layers
+                         are counted as MoE ones: checkpointed, both keep only the layer input)
+    working buffers      the measured tensor peak of one MLA MoE layer's forward + backward over a chunk, scaled to C
 The measured figures come from bench/real_shapes.py (mint/models/measured/<shape>.json). Nothing is inferred from
 the tiny model.
 """
@@ -56,6 +67,7 @@ class Job:
     expert_parallel: int = 1
     context_parallel: int = 1
     dtype_bytes: int = 2
+    indexer_replay: bool = False  # DSA: record the rollout's top-k key indices per response token (off by default)
 
 
 @dataclass
@@ -95,8 +107,29 @@ class Plan:
                 f"({USABLE:.0%} usable: {USABLE * self.gpu_bytes / GiB:.1f} GiB)",
                 f"rollout engines hold {self.rollout_kv / GiB:,.2f} GiB of K/V per group of G sequences (their GPUs)",
                 *self._hybrid_lines(),
+                *self._mla_lines(),
             ]
         )
+
+    def _mla_lines(self) -> list[str]:
+        s, j = self.shape, self.job
+        if not s.mla:
+            return []
+        b = j.dtype_bytes
+        lines = [
+            f"MLA: latent pages {s.latent_bytes_per_token(b) / 1024:.1f} KiB per prompt token ({s.layers} layers x "
+            f"{s.kv_lora_rank + s.qk_rope_head_dim}); expanded K/V would be "
+            f"{s.expanded_kv_bytes_per_token(b) / 1024:.1f} KiB "
+            f"({s.expanded_kv_bytes_per_token(b) / s.latent_bytes_per_token(b):.1f}x)"
+        ]
+        if s.dsa:
+            record = j.group * j.response_len * s.indexer_replay_bytes_per_token()
+            lines.append(
+                f"DSA: indexer pages {s.indexer_bytes_per_token(b) / 1024:.1f} KiB per prompt token; indexer replay "
+                f"{'on' if j.indexer_replay else 'off'}: {record / GiB:,.2f} GiB per group ({j.group} x "
+                f"{j.response_len} tokens x {s.indexer_layers} layers x {s.index_topk} int32)"
+            )
+        return lines
 
     def _hybrid_lines(self) -> list[str]:
         s, b = self.shape, self.job.dtype_bytes
@@ -131,16 +164,56 @@ def linear_attention_params(s: RealShape) -> int:
     return proj + s.conv_dim * s.linear_conv_kernel + 2 * s.linear_value_heads + s.linear_value_head_dim
 
 
+def mla_attention_params(s: RealShape) -> int:
+    """One MLA layer: q_a_proj, its norm and q_b_proj (or one q_proj), kv_a_proj_with_mqa (latent + rope key) and the
+    latent's norm, kv_b_proj (latent -> heads x (nope + v)), o_proj. The DSA indexer is `indexer_params`."""
+    q_head = s.qk_nope_head_dim + s.qk_rope_head_dim
+    if s.q_lora_rank:
+        q = s.hidden * s.q_lora_rank + s.q_lora_rank + s.q_lora_rank * s.heads * q_head
+    else:
+        q = s.hidden * s.heads * q_head
+    kv = s.hidden * (s.kv_lora_rank + s.qk_rope_head_dim) + s.kv_lora_rank
+    kv += s.kv_lora_rank * s.heads * (s.qk_nope_head_dim + s.v_head_dim)
+    return q + kv + s.heads * s.v_head_dim * s.hidden
+
+
+def indexer_params(s: RealShape) -> int:
+    """One DSA lightning indexer: wq_b (query latent -> index_heads x index_head_dim), wk (hidden -> one key), the
+    key's LayerNorm (weight and bias) and weights_proj (hidden -> one weight per indexer head)."""
+    index = s.index_heads * s.index_head_dim
+    return s.q_lora_rank * index + s.hidden * s.index_head_dim + 2 * s.index_head_dim + s.hidden * s.index_heads
+
+
+def mla_lora_modules(s: RealShape) -> dict[str, tuple[int, int]]:
+    """The MLA recipe's LoRA targets, name -> (in, out): the query projections, the latent's down- and
+    up-projections and o_proj (the indexer runs without a gradient and gets none)."""
+    q_head = s.qk_nope_head_dim + s.qk_rope_head_dim
+    if s.q_lora_rank:
+        q = {"q_a_proj": (s.hidden, s.q_lora_rank), "q_b_proj": (s.q_lora_rank, s.heads * q_head)}
+    else:
+        q = {"q_proj": (s.hidden, s.heads * q_head)}
+    return {
+        **q,
+        "kv_a_proj_with_mqa": (s.hidden, s.kv_lora_rank + s.qk_rope_head_dim),
+        "kv_b_proj": (s.kv_lora_rank, s.heads * (s.qk_nope_head_dim + s.v_head_dim)),
+        "o_proj": (s.heads * s.v_head_dim, s.hidden),
+    }
+
+
 def param_counts(s: RealShape) -> dict[str, int]:
     """Parameter counts by part, from the dims (cross-checked against the published totals in tests)."""
-    attn = s.hidden * _q_out(s) + s.hidden * s.kv_heads * s.head_dim * 2 + s.heads * s.head_dim * s.hidden
+    if s.mla:
+        attn = mla_attention_params(s)
+    else:
+        attn = s.hidden * _q_out(s) + s.hidden * s.kv_heads * s.head_dim * 2 + s.heads * s.head_dim * s.hidden
+    indexers = s.indexer_layers * indexer_params(s) if s.dsa else 0
     experts = s.experts * 3 * s.hidden * s.moe_intermediate
     shared = 3 * s.hidden * s.shared_intermediate + (s.hidden if s.shared_expert_gate else 0)
     router = s.experts * s.hidden
     dense = 3 * s.hidden * s.intermediate
     return {
         "embed_head": 2 * s.vocab * s.hidden,
-        "attention": s.full_layers * attn + s.linear_layers * linear_attention_params(s),
+        "attention": s.full_layers * attn + s.linear_layers * linear_attention_params(s) + indexers,
         "experts": s.moe_layers * experts,
         "shared_router_dense": s.moe_layers * (shared + router) + s.dense_layers * dense,
     }
@@ -148,11 +221,14 @@ def param_counts(s: RealShape) -> dict[str, int]:
 
 def lora_param_parts(s: RealShape, rank: int) -> tuple[int, int]:
     """(attention, experts) LoRA parameters: q, k, v, o and the fused experts' gate_up and down, as mint's default
-    [lora] section puts them. A hybrid's q/k/v/o exist in its full-attention layers only."""
+    [lora] section puts them. A hybrid's q/k/v/o exist in its full-attention layers only; an MLA shape's targets are
+    `mla_lora_modules` (what its recipes set)."""
+    experts = s.experts * rank * ((s.hidden + 2 * s.moe_intermediate) + (s.moe_intermediate + s.hidden))
+    if s.mla:
+        return s.layers * sum(rank * (i + o) for i, o in mla_lora_modules(s).values()), s.moe_layers * experts
     q = rank * (s.hidden + _q_out(s))
     kv = 2 * rank * (s.hidden + s.kv_heads * s.head_dim)
     o = rank * (s.heads * s.head_dim + s.hidden)
-    experts = s.experts * rank * ((s.hidden + 2 * s.moe_intermediate) + (s.moe_intermediate + s.hidden))
     return s.full_layers * (q + kv + o), s.moe_layers * experts
 
 
@@ -191,6 +267,31 @@ def hybrid_terms(s: RealShape, m: dict, job: Job) -> dict[str, float]:
     return terms
 
 
+def mla_terms(s: RealShape, m: dict, job: Job) -> dict[str, float]:
+    """The prompt-state, graph and buffer terms of an MLA shape (module docstring); weights and LoRA are common."""
+    b, P, R, cp = job.dtype_bytes, job.prompt_len, job.response_len, job.context_parallel
+    width = s.kv_lora_rank + s.qk_rope_head_dim
+    terms = {f"prefix latent pages ({s.layers} layers x {width})": P * s.latent_bytes_per_token(b) / cp}
+    if s.dsa:
+        terms[f"indexer pages ({s.indexer_layers} layers x {s.index_head_dim}, no gradient)"] = (
+            P * s.indexer_bytes_per_token(b) / cp
+        )
+    chunk = min(job.chunk, P)
+    if job.mode == "exact":
+        terms[f"prefix dLatent (fp32, {s.layers} layers)"] = P * s.latent_bytes_per_token(4) / cp
+        # A prompt chunk runs every layer but the last in full (the last stops at its latent page).
+        terms["prompt-backward chunk graph"] = m["mla_ckpt_chunk_saved_bytes_per_token"] * chunk * (s.layers - 1)
+    replay = s.layers * m["mla_ckpt_replay_saved_bytes_per_token"] + m["mla_replay_saved_bytes_per_token"]
+    terms["replay graph (checkpointed) + scoring"] = replay * R + SCORE_BYTES
+    if s.dsa:
+        record = job.group * R * s.indexer_replay_bytes_per_token()
+        terms[f"indexer replay record ({'on' if job.indexer_replay else 'off'})"] = record if job.indexer_replay else 0
+    terms["working buffers (one layer's fwd+bwd over a chunk, measured)"] = (
+        m["mla_chunk_layer_peak_bytes"] * chunk / m["chunk"]
+    )
+    return terms
+
+
 def make_plan(s: RealShape, shape_key: str, job: Job, gpu_bytes: int) -> Plan:
     if job.mode not in ("exact", "detached"):
         raise ConfigError(f"plan: mode {job.mode!r} is not exact or detached")
@@ -207,6 +308,10 @@ def make_plan(s: RealShape, shape_key: str, job: Job, gpu_bytes: int) -> Plan:
         "frozen base weights": weights,
         "LoRA + grads + AdamW (ZeRO-1)": optim,
     }
+    if s.mla:
+        terms.update(mla_terms(s, {**m, "chunk": figures["chunk"]}, job))
+        per_token = s.latent_bytes_per_token(b) + s.indexer_bytes_per_token(b)
+        return Plan(s, job, gpu_bytes, terms, job.group * (job.prompt_len + job.response_len) * per_token)
     if s.hybrid:
         terms.update(hybrid_terms(s, {**m, "chunk": figures["chunk"]}, job))
         per_sequence = (job.prompt_len + job.response_len) * s.kv_bytes_per_token(b) + s.boundary_state_bytes(b)
@@ -261,4 +366,8 @@ HUB_IDS = {
     "Qwen/Qwen3.5-397B-A17B": "qwen35_397b_a17b",
     "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3_next_80b_a3b",
     "Qwen/Qwen3-Next-80B-A3B-Thinking": "qwen3_next_80b_a3b",
+    "deepseek-ai/DeepSeek-V3.2": "deepseek_v32",
+    "zai-org/GLM-4.7-Flash": "glm47_flash",
+    "zai-org/GLM-5": "glm5",
+    "moonshotai/Kimi-K2.5": "kimi_k25",
 }

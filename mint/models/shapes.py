@@ -8,13 +8,31 @@ Hybrid shapes (Qwen3.5-MoE, Qwen3-Next) interleave Gated DeltaNet "linear_attent
 "full_attention" layers: layer i is full when (i + 1) % full_attention_interval == 0 (3:1 at interval 4). Only the full
 layers keep K/V pages; each linear layer keeps a boundary state per sequence: S [H_v, d_k, d_v] in fp32 and the
 causal conv's window of K - 1 pre-conv rows of conv_dim = 2 H_k d_k + H_v d_v channels in the model dtype.
+
+Multi-head latent attention (MLA) shapes (DeepSeek-V3.2, GLM-4.7-Flash, GLM-5, Kimi-K2.5's text tower) project each
+token to a kv_lora_rank latent and one qk_rope_head_dim RoPE key shared by all heads; kv_b_proj expands the latent into
+every head's k_nope (qk_nope_head_dim) and v (v_head_dim). LongStraw and the rollout engines keep the latent and the
+roped key (a latent page: kv_lora_rank + qk_rope_head_dim values per token and layer, 576 at V3's dims), never the
+expansion. The DSA shapes (`deepseek_v32`, `glm_moe_dsa`) add a lightning indexer per indexer layer: one
+index_head_dim key per token (an indexer page, no gradient) scored by index_heads query heads, top index_topk keys per
+query.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers import Glm4MoeConfig, PretrainedConfig, Qwen3_5MoeTextConfig, Qwen3MoeConfig, Qwen3NextConfig
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV32Config,
+    Glm4MoeConfig,
+    Glm4MoeLiteConfig,
+    GlmMoeDsaConfig,
+    PretrainedConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3MoeConfig,
+    Qwen3NextConfig,
+)
 
 from mint.errors import ConfigError
 
@@ -45,6 +63,19 @@ class RealShape:
     linear_conv_kernel: int = 0  # K, the causal conv's width over the pre-conv q/k/v rows
     attn_output_gate: bool = False  # q_proj emits 2 x heads x head_dim: the query and a sigmoid output gate
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(Linear(hidden -> 1))
+    # MLA decoders only (kv_lora_rank 0: not MLA). heads = kv_heads there, head_dim = qk_nope + qk_rope.
+    q_lora_rank: int = 0  # the query's down-projection rank; 0: one q_proj [hidden -> heads x head_dim]
+    kv_lora_rank: int = 0  # the latent's width
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0  # the roped key, one per token shared by all heads
+    v_head_dim: int = 0
+    # DSA (lightning indexer) only.
+    index_heads: int = 0
+    index_head_dim: int = 0  # one indexer key per token and indexer layer
+    index_topk: int = 0  # keys each query attends to
+    indexer_layers: int = 0  # decoder layers that run their own indexer (GLM-5: all; GLM-5.2's shared layers: not)
+    # The hub card's headline, when it is rounded (30B, 1T): tests allow half of this either way; 0: exact total.
+    params_rounding_b: float = 0.0
 
     @property
     def moe_layers(self) -> int:
@@ -71,9 +102,36 @@ class RealShape:
             2 * self.linear_key_heads * self.linear_key_head_dim + self.linear_value_heads * self.linear_value_head_dim
         )
 
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def dsa(self) -> bool:
+        return self.indexer_layers > 0
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of one prompt token over every full-attention layer."""
+        """K and V of one prompt token over every full-attention layer; for MLA, the latent pages (what is kept)."""
+        if self.mla:
+            return self.latent_bytes_per_token(dtype_bytes)
         return self.full_layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
+
+    def latent_bytes_per_token(self, dtype_bytes: int) -> int:
+        """MLA: the normed latent and the roped key of one prompt token over every layer."""
+        return self.layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
+
+    def expanded_kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """MLA: what expanded per-head K and V would take instead, heads x (qk_nope + qk_rope + v) over every layer."""
+        per_head = self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim
+        return self.layers * self.heads * per_head * dtype_bytes
+
+    def indexer_bytes_per_token(self, dtype_bytes: int) -> int:
+        """DSA: the indexer key of one prompt token over every indexer layer (no gradient flows into it)."""
+        return self.indexer_layers * self.index_head_dim * dtype_bytes
+
+    def indexer_replay_bytes_per_token(self) -> int:
+        """DSA indexer replay: index_topk int32 key indices per response token and indexer layer."""
+        return self.indexer_layers * self.index_topk * 4
 
     def recurrent_state_bytes(self, window_dtype_bytes: int) -> int:
         """One linear layer's boundary state: S [H_v, d_k, d_v] in fp32 (always) + the conv window of K - 1 rows of
@@ -141,6 +199,43 @@ SHAPES: dict[str, RealShape] = {
         linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel=4, attn_output_gate=True,
         shared_expert_gate=True,
     ),
+    # MLA shapes. Every value below is the hub config.json's as found in several stored copies of it (vLLM, SGLang
+    # and inference-engine test fixtures, Megatron launch scripts) and transformers' config defaults; where they
+    # disagree it says so. Norm weights and the router's e_score_correction_bias (a buffer) are not counted.
+    # deepseek-ai/DeepSeek-V3.2: 671 B is V3's main model; V3.2's indexer adds 0.85 B (61 x 14 M) and the hub's 685 B
+    # counts the 14 B multi-token-prediction layer too, which the learner does not load.
+    "deepseek_v32": RealShape(
+        "DeepSeek-V3.2", "deepseek_v32", hidden=7168, layers=61, dense_layers=3, heads=128, kv_heads=128,
+        head_dim=192, experts=256, top_k=8, moe_intermediate=2048, intermediate=18432, shared_intermediate=2048,
+        vocab=129280, total_params_b=671.0, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, index_heads=64, index_head_dim=128, index_topk=2048, indexer_layers=61,
+    ),
+    # zai-org/GLM-4.7-Flash (glm4_moe_lite): "30B-A3B" on its card; first_k_dense_replace = 1; its MTP layer (one
+    # more decoder layer) is not counted.
+    "glm47_flash": RealShape(
+        "GLM-4.7-Flash", "glm4_moe_lite", hidden=2048, layers=47, dense_layers=1, heads=20, kv_heads=20,
+        head_dim=256, experts=64, top_k=4, moe_intermediate=1536, intermediate=10240, shared_intermediate=1536,
+        vocab=154880, total_params_b=30.0, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192,
+        qk_rope_head_dim=64, v_head_dim=256, params_rounding_b=1.0,
+    ),
+    # zai-org/GLM-5 (glm_moe_dsa): "744B (40B active)" on its card. Its config has no index_topk_freq, so every layer
+    # runs its own indexer (GLM-5.2 shares one indexer over 4 layers; not this shape). The index_* values come from
+    # copies of the GLM-5 / GLM-5.1 config.json and transformers' GlmMoeDsaConfig defaults (documented as GLM-5).
+    "glm5": RealShape(
+        "GLM-5", "glm_moe_dsa", hidden=6144, layers=78, dense_layers=3, heads=64, kv_heads=64, head_dim=256,
+        experts=256, top_k=8, moe_intermediate=2048, intermediate=12288, shared_intermediate=2048, vocab=154880,
+        total_params_b=744.0, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+        v_head_dim=256, index_heads=32, index_head_dim=128, index_topk=2048, indexer_layers=78, params_rounding_b=1.0,
+    ),
+    # moonshotai/Kimi-K2.5, its text_config (deepseek_v3 architecture; the MoonViT vision tower, about 0.4 B, is
+    # not loaded). Its card says "1T"; these dims give 1.026 T, as for Kimi-K2 whose report says 1.04 T: not
+    # verified which parts that figure adds. routed_scaling_factor 2.827, n_group = topk_group = 1.
+    "kimi_k25": RealShape(
+        "Kimi-K2.5", "deepseek_v3", hidden=7168, layers=61, dense_layers=1, heads=64, kv_heads=64, head_dim=192,
+        experts=384, top_k=8, moe_intermediate=2048, intermediate=18432, shared_intermediate=2048, vocab=163840,
+        total_params_b=1000.0, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, params_rounding_b=100.0,
+    ),
 }  # fmt: skip
 
 
@@ -161,6 +256,8 @@ def layer_config(s: RealShape, moe_layers: int, max_positions: int = 40960) -> P
     benchmark builds with random weights to measure one MoE layer's figures. Hybrids: `layer_types(s, moe_layers)`."""
     if s.hybrid:
         return _hybrid_config(s, moe_layers, max_positions)
+    if s.mla:
+        return _mla_config(s, moe_layers, max_positions)
     common = dict(
         vocab_size=s.vocab,
         hidden_size=s.hidden,
@@ -221,3 +318,43 @@ def _hybrid_config(s: RealShape, n: int, max_positions: int) -> PretrainedConfig
     if s.family == "qwen3_next":
         return Qwen3NextConfig(intermediate_size=s.intermediate, decoder_sparse_step=1, norm_topk_prob=True, **common)
     raise ConfigError(f"no layer config for hybrid family {s.family!r}")
+
+
+def _mla_config(s: RealShape, n: int, max_positions: int) -> PretrainedConfig:
+    """n MoE decoder layers of an MLA shape (no dense first layers), every DSA layer with its own indexer. Routing is
+    not group-limited here (n_group 1): the group limit picks which experts, not how many, so no figure moves."""
+    common = dict(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        moe_intermediate_size=s.moe_intermediate,
+        num_hidden_layers=n,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.heads,
+        n_routed_experts=s.experts,
+        n_shared_experts=s.shared_intermediate // s.moe_intermediate,
+        num_experts_per_tok=s.top_k,
+        q_lora_rank=s.q_lora_rank or None,
+        kv_lora_rank=s.kv_lora_rank,
+        qk_nope_head_dim=s.qk_nope_head_dim,
+        qk_rope_head_dim=s.qk_rope_head_dim,
+        v_head_dim=s.v_head_dim,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+    )
+    sparse = ["sparse"] * n
+    indexer = dict(index_n_heads=s.index_heads, index_head_dim=s.index_head_dim, index_topk=s.index_topk)
+    if s.family == "deepseek_v3":
+        return DeepseekV3Config(first_k_dense_replace=0, **common)
+    if s.family == "glm4_moe_lite":
+        return Glm4MoeLiteConfig(mlp_layer_types=sparse, **common)
+    if s.family == "deepseek_v32":
+        return DeepseekV32Config(first_k_dense_replace=0, mlp_layer_types=sparse, **indexer, **common)
+    if s.family == "glm_moe_dsa":
+        return GlmMoeDsaConfig(
+            first_k_dense_replace=0, mlp_layer_types=sparse, indexer_types=["full"] * n, **indexer, **common
+        )
+    raise ConfigError(f"no layer config for MLA family {s.family!r}")
