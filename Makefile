@@ -72,7 +72,7 @@ docs: setup
 clean:
 	rm -rf $(VENV) .engines runs .pytest_cache .ruff_cache
 
-# Rebuild the shipped tiny bases (mint/models/tiny_bases/) on this machine: 30-60 s per family on 1 thread (the hybrids 4-5 min). Only after
+# Rebuild the shipped tiny bases (mint/models/tiny_bases/) on this machine: 30-60 s per family on 1 thread (the hybrid and MLA ones 4-7 min). Only after
 # a change that moves a build's bytes (TinyRecipe, BUILD_VERSION, tiny_config, the tokenizer, the pretraining loop);
 # the new bytes are this machine's, so rerun the learning tests before committing them (mint/models/tiny_ship.py).
 .PHONY: tiny-bases

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from longstraw.routing import find_routers
 from mint.errors import ConfigError
 from mint.models import tiny, tiny_ship
-from mint.models.specs import HYBRID_FAMILIES, TINY_FAMILIES, moe_layout, tiny_config
+from mint.models.specs import HYBRID_FAMILIES, MLA_FAMILIES, TINY_FAMILIES, moe_layout, tiny_config
 from mint.models.tiny import (
     BUILD_VERSION,
     IM_END,
@@ -133,6 +133,57 @@ def test_hybrid_bases_interleave_gated_deltanet_with_full_attention(tiny_paths, 
     assert (layout.num_layers, layout.num_experts, layout.top_k) == (4, 4, 2)
     assert layout.layer_ids == (0, 1, 2, 3) and layout.num_decoder_layers == 4
     assert len(find_routers(model)) == 4
+
+
+SHIPPED_MLA = [f for f in MLA_FAMILIES if f in FAMILIES]
+
+
+def test_mla_families_shipped():
+    """DeepSeek-V3, GLM-4.7-Flash and GLM-5 are shipped; DeepSeek-V3.2 stays a config (docs/decisions.md)."""
+    assert SHIPPED_MLA == ["deepseek_v3", "glm4_moe_lite", "glm_moe_dsa"]
+
+
+def test_mla_recipes_differ_only_where_mla_recipe_says():
+    """The latent-attention families' default recipe takes MLA_RECIPE's skill-phase cap and calibration steps (the
+    shared 1500 / 300 left their first_last skill at greedy 0.37-0.64); every other field is the shared default, an
+    explicit value is kept, and the other families' recipes are untouched."""
+    assert set(tiny.MLA_RECIPE) == {"steps", "calibrate_steps"}
+    for family in SHIPPED_MLA:
+        recipe = TinyRecipe(family)
+        assert (recipe.steps, recipe.calibrate_steps) == (tiny.MLA_RECIPE["steps"], tiny.MLA_RECIPE["calibrate_steps"])
+        assert TinyRecipe(family, steps=7, calibrate_steps=5) == dataclasses.replace(recipe, steps=7, calibrate_steps=5)
+        assert (TinyRecipe(family, steps=7).steps, TinyRecipe(family, calibrate_steps=5).calibrate_steps) == (7, 5)
+        shared = {k: v for k, v in dataclasses.asdict(recipe).items() if k not in ("family", *tiny.MLA_RECIPE)}
+        assert shared == {k: v for k, v in dataclasses.asdict(TinyRecipe("qwen3_moe")).items() if k in shared}
+    assert (TinyRecipe("glm4_moe").steps, TinyRecipe("glm4_moe").calibrate_steps) == (1500, 300)
+
+
+@pytest.mark.parametrize("family", SHIPPED_MLA)
+def test_mla_bases_have_latent_attention_and_a_dense_first_layer(tiny_paths, family):
+    """Three layers of multi-head latent attention (q and kv down-projections of rank 32, RoPE on 16 of each head's
+    32 query/key dims); the first layer's MLP is dense, the other two route to 4 experts (top-2) with a shared expert,
+    and moe_layout says so. GLM-5 (glm_moe_dsa) adds DSA: an indexer in layers 0 and 1 (index_topk 64), and layer 2
+    reuses layer 1's selection."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_paths[family])
+    config = model.config
+    dims = (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim)
+    assert dims == (32, 32, 16, 16)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        assert attn.kv_a_proj_with_mqa.out_features == 32 + 16 and attn.kv_b_proj.in_features == 32
+    dense, *moe = model.model.layers
+    assert not hasattr(dense.mlp, "experts") and all(hasattr(layer.mlp, "shared_experts") for layer in moe)
+    layout = moe_layout(config)
+    assert layout == moe_layout(tiny_config(family, 97))
+    assert (layout.num_layers, layout.num_experts, layout.top_k) == (2, 4, 2)
+    assert layout.layer_ids == (1, 2) and layout.num_decoder_layers == 3
+    assert len(find_routers(model)) == 2
+    if family == "glm_moe_dsa":
+        assert config.layer_types == ["indexed_attention"] * 3 and config.index_topk == 64
+        assert config.indexer_types == ["full", "full", "shared"]
+        assert [layer.self_attn.indexer is not None for layer in model.model.layers] == [True, True, False]
+    else:
+        assert not any(hasattr(layer.self_attn, "indexer") for layer in model.model.layers)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -27,8 +27,9 @@ class ModelConfig:
     path: str = knob(
         "tiny:qwen3_moe",
         "Base model: a hub id, a local directory, or tiny:<family> for the embedded tiny bases (never downloaded): "
-        "qwen3_moe, qwen2_moe, glm4_moe, qwen3 (dense), and the Gated DeltaNet hybrids qwen3_5_moe, qwen3_next, "
-        "qwen3_5 (dense).",
+        "qwen3_moe, qwen2_moe, glm4_moe, qwen3 (dense), the Gated DeltaNet hybrids qwen3_5_moe, qwen3_next, "
+        "qwen3_5 (dense), and the multi-head latent attention MoEs deepseek_v3, glm4_moe_lite and glm_moe_dsa "
+        "(GLM-5's DSA).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", "Dtype of the frozen base and the LoRA weights.")
 

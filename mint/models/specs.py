@@ -28,10 +28,15 @@ from longstraw.routing import ExpertLayout
 from mint.errors import ConfigError
 
 TINY_PREFIX = "tiny:"
-TINY_FAMILIES = ("qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3", "qwen3_5_moe", "qwen3_next", "qwen3_5")
+TINY_FAMILIES = (
+    "qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3", "qwen3_5_moe", "qwen3_next", "qwen3_5",
+    "deepseek_v3", "glm4_moe_lite", "glm_moe_dsa",
+)  # fmt: skip
 HYBRID_FAMILIES = ("qwen3_5_moe", "qwen3_next", "qwen3_5")  # Gated DeltaNet + gated full attention, 3:1
-# Multi-head latent attention MoE (DeepSeek-V3, GLM-4.7-Flash; with DSA: DeepSeek-V3.2, GLM-5). Configs only: no
-# shipped base yet, so not in TINY_FAMILIES (a `tiny:` spec needs a shipped or buildable base).
+# Multi-head latent attention MoE (DeepSeek-V3, GLM-4.7-Flash; with DSA: DeepSeek-V3.2, GLM-5). Three are shipped
+# tiny bases (TINY_FAMILIES); deepseek_v32 is a config only (tests build it at random): it differs from glm_moe_dsa
+# only by the indexer's RoPE layout (half-split, not interleaved) and by running an indexer in every layer, which the
+# random-base tests cover, so a fourth pretrained MLA base would add build time and package bytes and no case.
 MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,6 +60,12 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
     of it as in the released checkpoints). The MoE ones route every layer to 4 experts of 64 (top-2, normalized) plus
     a sigmoid-gated shared expert of 64; qwen3_5 has a dense MLP 128 wide. Four layers so that one full-attention
     layer follows the linear ones, as in every 4-layer block of the real models.
+
+    The multi-head latent attention families (MLA_FAMILIES; `_tiny_mla` has the dims) are DeepSeek-V3
+    (`deepseek_v3`), GLM-4.7-Flash (`glm4_moe_lite`) and, with DSA's lightning indexer, DeepSeek-V3.2
+    (`deepseek_v32`, a config only) and GLM-5 (`glm_moe_dsa`): 3 layers, the first dense, V3-style sigmoid routing
+    with a shared expert. The engines cache one latent and one RoPE key per token and layer (and, under DSA, the
+    indexer's key); index_topk 64 covers the built-in tasks' prompts and responses, so the indexer keeps every key.
 
     Sizes are chosen so a CPU builds, pretrains and RL-trains one in seconds (the hybrids in minutes: without the
     fused kernels transformers runs Gated DeltaNet in plain torch).

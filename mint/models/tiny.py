@@ -1,5 +1,4 @@
-"""The embedded tiny bases behind `tiny:<family>`: a local tokenizer, a tiny Qwen-MoE or GLM-4.5-class MoE, and a
-brief pretrain.
+"""The embedded tiny bases behind `tiny:<family>`: a local tokenizer, a tiny MoE (or dense) model, a brief pretrain.
 
 RL post-training starts from a pretrained base, and a frozen *random* tiny MoE barely learns the synthetic task by
 GRPO with LoRA. So `build_tiny` first trains the full model, supervised, on chat-formatted examples of the built-in
@@ -55,7 +54,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from mint.errors import ConfigError
 from mint.models import tiny_ship
-from mint.models.specs import TINY_FAMILIES, TINY_PREFIX, tiny_config
+from mint.models.specs import MLA_FAMILIES, TINY_FAMILIES, TINY_PREFIX, tiny_config
 from mint.rl.tasks import Example, get_task
 
 log = logging.getLogger(__name__)
@@ -84,6 +83,7 @@ CHAT_TEMPLATE = (
 
 VOCAB_SIZE = 384
 TASKS = ("first_last", "arithmetic")  # the pretraining mix: each example from one, uniformly
+MLA_RECIPE = {"steps": 3000, "calibrate_steps": 1000}  # MLA_FAMILIES' departures from the default: decisions.md
 MANIFEST = "mint_tiny.json"
 # A cache entry is valid only when all of these exist; the manifest is written last.
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MANIFEST)
@@ -159,7 +159,7 @@ class TinyRecipe:
     # and 0.25 (qwen2_moe), greedy still right 0.95 / 0.94 of the time. At q = 0.2 (the first_last-only build's
     # value) the mix ended at 0.17 / 0.14 with greedy 0.78 / 0.56: too blurred to keep the skill.
     label_accuracy: float = 0.3
-    steps: int = 1500  # cap on skill-phase steps; seed 0 stops at 591 (qwen3_moe), 974 (qwen2_moe)
+    steps: int = 1500  # skill-phase cap; seed 0 stops at 591 (qwen3_moe), 974 (qwen2_moe); MLA: MLA_RECIPE
     # Steps on the expected noisy-label loss, lr decaying linearly from calibrate_lr to 0. At the skill phase's
     # lr (3e-3, 200 steps) the mix lost its greedy skill (first_last 0.78 on qwen3_moe); at 1e-3 and 300 steps, 0.89.
     calibrate_steps: int = 300
@@ -168,6 +168,11 @@ class TinyRecipe:
     batch_size: int = 32  # examples per step, both phases
     lr: float = 3e-3  # 5e-3 stalled qwen2_moe for 2 of 3 seeds within 400 steps
     init_std: float = 0.02  # initializer_range of the random init
+
+    def __post_init__(self) -> None:  # a field left at the class default takes the family's value
+        for name, value in MLA_RECIPE.items() if self.family in MLA_FAMILIES else ():
+            if getattr(self, name) == getattr(TinyRecipe, name):
+                object.__setattr__(self, name, value)
 
     def key(self) -> str:
         blob = json.dumps({"version": BUILD_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
@@ -315,13 +320,8 @@ def _pretrain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, recipe
         ema = loss if ema is None else 0.9 * ema + 0.1 * loss
         skill_steps += 1
     if ema is not None and ema >= recipe.skill_loss:
-        log.warning(
-            "tiny %s: skill loss %.3f still above %.3f after %d steps",
-            recipe.family,
-            ema,
-            recipe.skill_loss,
-            skill_steps,
-        )
+        msg = "tiny %s: skill loss %.3f still above %.3f after %d steps"
+        log.warning(msg, recipe.family, ema, recipe.skill_loss, skill_steps)
     loss = ema
     # The readout (final norm + lm_head) keeps the sharp scale the skill phase gave it; calibration has to blur the
     # answer inside the body, which LoRA can reach. Calibrating the readout too capped what LoRA could recover:

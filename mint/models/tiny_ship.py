@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mint.models.tiny_ship",
         description="Rebuild the shipped tiny bases on this machine (30-60 s per family on 1 thread; the Gated "
-        "DeltaNet hybrids qwen3_5_moe / qwen3_next / qwen3_5 2-5 min each).",
+        "DeltaNet hybrids qwen3_5_moe / qwen3_next / qwen3_5 and the MLA families deepseek_v3 / glm4_moe_lite / "
+        "glm_moe_dsa 2-5 min each).",
     )
     parser.add_argument("families", nargs="*", default=list(TINY_FAMILIES), help="families to rebuild (default: all)")
     parser.add_argument("--root", default=SHIPPED_DIR, help="where the shipped folders live")

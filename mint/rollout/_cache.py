@@ -28,6 +28,19 @@ The prefill's states are copied into every row that samples that prompt. Left pa
 here: the model zeroes padded inputs before these layers, so a state stays exactly zero through a row's pads. Each
 decode step updates both states in place (one copy each, as HF's own cache). Sliding-window and other layer types
 would need their own slab logic, and `KVSlab` refuses such a config by name.
+
+Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash) caches through the same K/V slab: its "keys" are the
+normalized latent `[B, 1, C, kv_lora_rank]` and its "values" the shared RoPE key `[B, 1, C, qk_rope_head_dim]` (one
+head, two widths; attention expands them through kv_b_proj at every forward). The DSA families (DeepSeek-V3.2, GLM-5:
+`config.layer_types` "indexed_attention") add the lightning indexer's per-token keys, one more column slab per layer,
+`_SlabIndexedLayer`:
+
+    indexer keys     [B, C, index_head_dim]  single-head, written by `update_indexer` in the same columns as the
+                                             latent; a layer that reuses another's selection (GLM-5 "shared") never
+                                             writes it and it stays unallocated
+
+The indexer scores its query against columns 0 .. length-1 under the same attention mask as the latent, so a row's
+left padding is masked out of the selection too.
 """
 
 from __future__ import annotations
@@ -105,6 +118,53 @@ class _SlabLayer(CacheLayerMixin):
         self.keys, self.values, self.rows = kept_k, kept_v, int(indices.numel())
 
 
+class _SlabIndexedLayer(_SlabLayer):
+    """A DSA layer: the latent slab of `_SlabLayer` plus the indexer's keys `[B, C, index_head_dim]`, allocated at
+    their first write. transformers' `StaticIndexedLayer` preallocates the same buffer but hands the indexer all C
+    columns, sized for its own full-width static masks; the engine's masks are `length` columns wide
+    (`get_mask_sizes`), so this layer hands a view of the columns written so far, as `_SlabLayer.update` does.
+
+    The attention writes the latent (`update`) before its indexer writes its keys (`update_indexer`), so the indexer
+    keeps its own column count; both equal `length` between forwards."""
+
+    def __init__(self, rows: int, capacity: int):
+        super().__init__(rows, capacity)
+        self.indexer_keys: torch.Tensor | None = None
+        self.indexer_length = 0
+
+    def _allocate_indexer(self, keys_S_L_D: torch.Tensor) -> None:
+        shape = (self.rows, self.capacity, keys_S_L_D.shape[-1])
+        self.indexer_keys = torch.zeros(shape, dtype=keys_S_L_D.dtype, device=keys_S_L_D.device)
+
+    def update_indexer(self, keys_B_S_D: torch.Tensor) -> torch.Tensor:
+        """Write the forward's new indexer keys [B, S, D] at `indexer_length`; return columns 0 .. its new end."""
+        if self.indexer_keys is None:
+            self._allocate_indexer(keys_B_S_D)
+        end = self.indexer_length + keys_B_S_D.shape[1]
+        if end > self.capacity or keys_B_S_D.shape[0] != self.indexer_keys.shape[0]:
+            raise MintError(
+                f"rollout KV cache: indexer keys of {tuple(keys_B_S_D.shape)} do not fit the slab "
+                f"{tuple(self.indexer_keys.shape)} at column {self.indexer_length}"
+            )
+        self.indexer_keys[:, self.indexer_length : end].copy_(keys_B_S_D)
+        self.indexer_length = end
+        return self.indexer_keys[:, :end]
+
+    def write_indexer_rows(self, keys_S_L_D: torch.Tensor, rows_R, source_R, column: int) -> None:
+        """Copy a prefill's indexer keys: slab row rows_R[i] gets source row source_R[i] in columns column .. +L-1."""
+        if self.indexer_keys is None:
+            self._allocate_indexer(keys_S_L_D)
+        self.indexer_keys[rows_R, column : column + keys_S_L_D.shape[1]] = keys_S_L_D[source_R]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only slab rows `indices` of the latent and of the indexer keys."""
+        super().batch_select_indices(indices)
+        if self.indexer_keys is not None:
+            kept = self.indexer_keys.new_zeros((indices.numel(), *self.indexer_keys.shape[1:]))
+            kept[:, : self.indexer_length] = self.indexer_keys[indices, : self.indexer_length]
+            self.indexer_keys = kept
+
+
 class _SlabLinearLayer(LinearAttentionLayer):
     """One linear-attention layer's per-row states, conv `[B, conv_dim, K]` and recurrent `[B, H_v, d_k, d_v]`;
     allocated at the first `write_rows` (shapes past the row, dtypes and device come from the prefill's states).
@@ -141,20 +201,26 @@ class _SlabLinearLayer(LinearAttentionLayer):
 
 class KVSlab(Cache):
     """A preallocated cache for `rows` sequences of at most `capacity` columns, for every layer of `config`: a K/V
-    slab per full-attention layer, per-row states per linear-attention layer."""
+    slab per full-attention layer (the latent per MLA layer), the latent and indexer keys per DSA layer, per-row
+    states per linear-attention layer."""
 
     def __init__(self, config, rows: int, capacity: int):
         layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-        other = sorted(set(layer_types) - {"full_attention", "linear_attention"})
-        if other or "full_attention" not in layer_types:
+        kinds = set(layer_types)
+        hybrid = kinds <= {"full_attention", "linear_attention"} and "full_attention" in kinds
+        if not hybrid and kinds != {"indexed_attention"}:
             raise MintError(
                 "rollout: the built-in engine's KV cache supports full-attention layers, optionally interleaved with "
-                f"linear-attention layers; this model has {sorted(set(layer_types))}"
+                f"linear-attention layers, or DSA's indexed-attention layers; this model has {sorted(kinds)}"
             )
-        layers = [
-            _SlabLinearLayer(rows) if t == "linear_attention" else _SlabLayer(rows, capacity) for t in layer_types
-        ]
-        super().__init__(layers=layers)
+        slab = {
+            "linear_attention": _SlabLinearLayer,
+            "full_attention": _SlabLayer,
+            "indexed_attention": _SlabIndexedLayer,
+        }
+        super().__init__(
+            layers=[slab[t](rows) if t == "linear_attention" else slab[t](rows, capacity) for t in layer_types]
+        )
 
     @property
     def rows(self) -> int:
@@ -169,6 +235,8 @@ class KVSlab(Cache):
                 slab.write_rows(layer.conv_states[0], layer.recurrent_states[0], rows_R, source_R)
             else:
                 slab.write_rows(layer.keys, layer.values, rows_R, source_R, column)
+            if isinstance(slab, _SlabIndexedLayer) and layer.is_indexer_initialized:
+                slab.write_indexer_rows(layer.indexer_keys, rows_R, source_R, column)
 
     def set_length(self, length: int) -> None:
         """Mark columns 0 .. length-1 as written (after `write_prefill` filled the prompt columns)."""
@@ -178,3 +246,5 @@ class KVSlab(Cache):
             if length > layer.capacity:
                 raise MintError(f"rollout KV cache: length {length} exceeds the capacity {layer.capacity}")
             layer.length = length
+            if isinstance(layer, _SlabIndexedLayer):
+                layer.indexer_length = length
