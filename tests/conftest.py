@@ -316,3 +316,22 @@ def pop_lora_grads(model) -> dict[str, torch.Tensor]:
     for p in model.parameters():
         p.grad = None
     return grads
+
+
+def forced_routes(model, tokens_P: torch.Tensor, responses: list[torch.Tensor]):
+    """R3 routes a replay must force: the routes an HF forward over each prompt + response[:-1] records, with every
+    other row's experts rotated by one (rows where that would pick one expert twice keep theirs). Returns
+    (SequenceRoutes for the update, per response the forced routes of its whole sequence [P + R - 1, L, k])."""
+    from longstraw.routing import RouteRecorder, SequenceRoutes
+
+    recorded = []
+    with RouteRecorder(model) as recorder, torch.no_grad():
+        for r in responses:
+            model(input_ids=torch.cat([tokens_P, r[:-1]])[None])
+            recorded.append(recorder.pop())
+    experts = getattr(model.config, "num_experts", None) or model.config.n_routed_experts
+    forced = [(r + torch.arange(r.shape[0])[:, None, None] % 2) % experts for r in recorded]
+    forced = [torch.where(f[..., :1] == f[..., 1:], r, f) for f, r in zip(forced, recorded, strict=True)]
+    p1 = tokens_P.shape[0] - 1
+    rows = [(f[p1:], torch.ones(len(r), dtype=torch.bool)) for f, r in zip(forced, responses, strict=True)]
+    return SequenceRoutes(forced[0][:p1], torch.ones(p1, dtype=torch.bool), rows), forced

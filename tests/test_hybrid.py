@@ -16,6 +16,7 @@ from conftest import (
     UPDATE_LENGTHS,
     UPDATE_P,
     build_random_tiny,
+    forced_routes,
     load_fp32,
     lora_model,
     pop_lora_grads,
@@ -30,7 +31,7 @@ from longstraw.engine import UpdateSpec, capture_prefix, grpo_update, score_resp
 from longstraw.errors import LongStrawError
 from longstraw.memory import GraphMeter, module_storages
 from longstraw.replay import score_responses
-from longstraw.routing import RouteRecorder, RouteReplay, SequenceRoutes
+from longstraw.routing import RouteReplay
 from longstraw.scoring import token_logprobs
 
 FAMILIES = ["qwen3_5_moe", "qwen3_next", "qwen3_5"]
@@ -195,22 +196,6 @@ def test_detached_equals_hf_with_the_boundary_state_held_constant(hybrid_path):
     assert max((exact[n] - got[n]).abs().max() for n in got) > 1e-4
 
 
-def _forced_routes(model, tokens_P, responses) -> SequenceRoutes:
-    """Recorded routes with every other row's experts rotated by one, so replay must force them."""
-    recorded = []
-    with RouteRecorder(model) as recorder, torch.no_grad():
-        for r in responses:
-            model(input_ids=torch.cat([tokens_P, r[:-1]])[None])
-            recorded.append(recorder.pop())
-    experts = model.config.num_experts
-    forced = [(r + torch.arange(r.shape[0])[:, None, None] % 2) % experts for r in recorded]
-    forced = [torch.where(f[..., :1] == f[..., 1:], r, f) for f, r in zip(forced, recorded, strict=True)]
-    ok = [torch.ones(len(r), dtype=torch.bool) for r in responses]
-    routes = SequenceRoutes(forced[0][: P - 1], torch.ones(P - 1, dtype=torch.bool), [])
-    routes.responses = [(f[P - 1 :], o) for f, o in zip(forced, ok, strict=True)]
-    return routes, forced
-
-
 @pytest.mark.parametrize("mode", ["exact", "detached"])
 def test_route_replay_reproduces_the_rollouts_logprobs(hybrid_path, mode):
     """R3 with each router's own rule (Qwen3.5's always-renormalized top-k, Qwen3-Next's norm_topk_prob, the
@@ -220,7 +205,7 @@ def test_route_replay_reproduces_the_rollouts_logprobs(hybrid_path, mode):
     if not getattr(model.config, "num_experts", 0):
         pytest.skip("dense Qwen3.5 has no routers")
     tokens_P, responses = update_inputs(model.config.vocab_size)
-    routes, forced = _forced_routes(model, tokens_P, responses)
+    routes, forced = forced_routes(model, tokens_P, responses)
     want = []
     with RouteReplay(model) as hooks, torch.no_grad():
         for r, f in zip(responses, forced, strict=True):

@@ -17,6 +17,7 @@ from conftest import (
     UPDATE_LENGTHS,
     UPDATE_P,
     build_random_tiny,
+    forced_routes,
     load_fp32,
     lora_model,
     pop_lora_grads,
@@ -29,7 +30,7 @@ from longstraw.adapters.mla import LatentState
 from longstraw.engine import UpdateSpec, capture_prefix, grpo_update, score_response
 from longstraw.memory import GraphMeter, module_storages
 from longstraw.replay import score_responses
-from longstraw.routing import RouteRecorder, RouteReplay, SequenceRoutes
+from longstraw.routing import RouteReplay
 from longstraw.scoring import token_logprobs
 
 FAMILIES = ["deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"]
@@ -133,23 +134,11 @@ def test_route_replay_reproduces_forced_routes(mla_path, mode):
     replaying forced routes equal an HF forward under the same routes."""
     model = lora_model(mla_path, TARGETS)
     tokens_P, responses = update_inputs(model.config.vocab_size)
-    recorded = []
-    with RouteRecorder(model) as recorder, torch.no_grad():
-        for r in responses:
-            model(input_ids=torch.cat([tokens_P, r[:-1]])[None])
-            recorded.append(recorder.pop())
-    experts = model.config.n_routed_experts
-    forced = [(r + torch.arange(r.shape[0])[:, None, None] % 2) % experts for r in recorded]
-    forced = [torch.where(f[..., :1] == f[..., 1:], r, f) for f, r in zip(forced, recorded, strict=True)]
-    ok = [torch.ones(len(f), dtype=torch.bool) for f in forced]
-    routes = SequenceRoutes(forced[0][: P - 1], torch.ones(P - 1, dtype=torch.bool), [])
-    routes.responses = [
-        (f[P - 1 :], torch.ones(len(r), dtype=torch.bool)) for f, r in zip(forced, responses, strict=True)
-    ]
+    routes, forced = forced_routes(model, tokens_P, responses)
     want = []
     with RouteReplay(model) as hooks, torch.no_grad():
-        for r, f, o in zip(responses, forced, ok, strict=True):
-            hooks.set(f, o)
+        for r, f in zip(responses, forced, strict=True):
+            hooks.set(f, torch.ones(f.shape[0], dtype=torch.bool))
             want.append(_hf_logp(model, tokens_P, r))
     got = {}
 

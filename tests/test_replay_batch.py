@@ -12,13 +12,12 @@ import importlib
 
 import pytest
 import torch
-from conftest import lora_model, sum_atol
+from conftest import forced_routes, lora_model, sum_atol
 
 from longstraw.adapters import adapter_for
 from longstraw.engine import UpdateSpec, grpo_update
 from longstraw.memory import GraphMeter, module_storages
 from longstraw.replay import plan_micro_batches, score_responses
-from longstraw.routing import RouteRecorder, SequenceRoutes
 
 _attention_reference = importlib.import_module("longstraw.kernels._prefix_attention_reference")
 _logprob_reference = importlib.import_module("longstraw.kernels._fused_logprob_reference")
@@ -102,32 +101,13 @@ def test_micro_batched_replay_equals_serial_replay(random_tiny_path, mode):
         assert metrics.loss == pytest.approx(serial.loss, rel=1e-6) and metrics.stats == serial.stats
 
 
-def _forced_routes(model, tokens_P, responses) -> SequenceRoutes:
-    """Recorded routes with every other row's experts rotated by one: replay must force these, not the native
-    choice (as in tests/test_longstraw_checkpoint.py)."""
-    recorded = []
-    with RouteRecorder(model) as recorder, torch.no_grad():
-        for r in responses:
-            model(input_ids=torch.cat([tokens_P, r[:-1]])[None])
-            recorded.append(recorder.pop())
-    num_experts = model.config.num_experts
-    forced = [(r + torch.arange(r.shape[0])[:, None, None] % 2) % num_experts for r in recorded]
-    forced = [torch.where(f[..., :1] == f[..., 1:], r, f) for f, r in zip(forced, recorded, strict=True)]
-    ok = [torch.ones(len(r), dtype=torch.bool) for r in responses]
-    return SequenceRoutes(
-        forced[0][: P - 1],
-        torch.ones(P - 1, dtype=torch.bool),
-        [(f[P - 1 :], o) for f, o in zip(forced, ok, strict=True)],
-    )
-
-
 @pytest.mark.parametrize("mode", ["exact", "detached"])
 def test_micro_batched_replay_with_routes_equals_serial_replay(random_tiny_path, mode):
     """R3: each row of a micro-batch replays its own response's routes (the pads route natively and count for
     nothing); gradients, logprobs and the routers' own picks per response equal serial replay's."""
     model = lora_model(random_tiny_path)
     tokens_P, responses = _inputs(model.config.vocab_size)
-    routes = _forced_routes(model, tokens_P, responses)
+    routes, _ = forced_routes(model, tokens_P, responses)
     serial_logps, serial_grads, serial = _update(model, tokens_P, responses, mode, 0, routes=routes)
     logps, grads, batched = _update(model, tokens_P, responses, mode, ALL_AT_ONCE, routes=routes)
     assert batched.micro_batches == 1 and serial.micro_batches == len(LENGTHS)
@@ -201,7 +181,7 @@ def test_update_leaves_the_callers_adapter_and_routes_as_they_were(random_qwen3_
     model = lora_model(random_qwen3_path)
     tokens_P, responses = _inputs(model.config.vocab_size)
     adapter = adapter_for(model)
-    routes = _forced_routes(model, tokens_P, responses)
+    routes, _ = forced_routes(model, tokens_P, responses)
     adapter_before, routes_before = dict(vars(adapter)), dict(vars(routes))
     spec = UpdateSpec(mode="exact", chunk_size=7, checkpoint_min_tokens=1, vocab_limit=97, replay_budget_bytes=1 << 30)
     metrics = grpo_update(
