@@ -7,13 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import build_random_tiny, load_fp32
-from test_rollout import PROMPT, STEP_PROMPTS, assert_matches_full_forward, forward_shapes, hf_greedy
+from rollout_checks import (
+    check_compaction_keeps_the_other_rows,
+    check_greedy_matches_hf_generate,
+    check_sampled_batch_equals_each_group_alone,
+)
+from test_rollout import PROMPT
 from transformers import DynamicCache
 
 from longstraw.scoring import token_logprobs
 from mint.errors import MintError
 from mint.rollout._cache import KVSlab
-from mint.rollout.engine import RolloutEngine, SamplingParams, group_seed
+from mint.rollout.engine import RolloutEngine, SamplingParams
 
 MLA_FAMILIES = ["deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"]
 DSA_FAMILIES = ["deepseek_v32", "glm_moe_dsa"]
@@ -42,56 +47,19 @@ def test_mla_greedy_matches_hf_generate(mla_model):
     """Greedy, all groups of STEP_PROMPTS in one decode batch (left padding, a one-token prompt, chunked prefill,
     G = 3): every row gets HF generate's tokens for its prompt alone, and its logprobs (fp32, 1e-5) and routes equal a
     teacher-forced forward over prompt + tokens."""
-    max_tokens = 8
-    engine = RolloutEngine(mla_model, eos_token_ids=[], prefill_tokens=16)
-    groups = engine.generate(STEP_PROMPTS, 3, SamplingParams(temperature=0.0, max_tokens=max_tokens), seed=0)
-    for prompt, group in zip(STEP_PROMPTS, groups, strict=True):
-        reference = hf_greedy(mla_model, prompt, max_tokens, eos_token_id=None)
-        assert len(reference) == max_tokens
-        for completion in group.completions:
-            assert completion.tokens_R.tolist() == reference
-            assert completion.finish_reason == "length"
-        assert_matches_full_forward(mla_model, group, temperature=1.0)
+    check_greedy_matches_hf_generate(mla_model)
 
 
 def test_mla_compaction_keeps_the_other_rows(mla_model):
     """Greedy with an eos that only PROMPT's groups emit: those two groups (2 of 5) stop early and leave the batch, the
     slab (latents, and indexer keys on DSA) is compacted, and every group still gets HF generate's tokens."""
-    max_tokens = 8
-    plain = {tuple(p): hf_greedy(mla_model, p, max_tokens, eos_token_id=None) for p in STEP_PROMPTS}
-    others = {t for p, tokens in plain.items() if list(p) != PROMPT for t in tokens}
-    eos = next((t for t in plain[tuple(PROMPT)][1:5] if t not in others), None)
-    assert eos is not None, "no token of PROMPT's greedy tokens 1..4 is free of the other prompts' tokens"
-    engine = RolloutEngine(mla_model, eos_token_ids=[eos])
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    groups = []
-    shapes = forward_shapes(mla_model, lambda: groups.extend(engine.generate(STEP_PROMPTS, 2, params, seed=0)))
-    decode_rows = [batch for batch, seq in shapes if seq == 1]
-    assert decode_rows[0] == 2 * len(STEP_PROMPTS) and decode_rows[-1] == 2 * (len(STEP_PROMPTS) - 2)
-    for prompt, group in zip(STEP_PROMPTS, groups, strict=True):
-        reference = hf_greedy(mla_model, prompt, max_tokens, eos_token_id=eos)
-        assert (reference[-1] == eos) == (prompt == PROMPT)
-        for completion in group.completions:
-            assert completion.tokens_R.tolist() == reference
-        assert_matches_full_forward(mla_model, group, temperature=1.0)
+    check_compaction_keeps_the_other_rows(mla_model)
 
 
 def test_mla_sampled_batch_equals_each_group_alone(mla_model):
     """Sampled, with stop ids so groups finish at different steps and leave the batch: each group gets the tokens it
     gets sampled alone from its own generator, and logprobs (fp32, 1e-5) and routes of a teacher-forced forward."""
-    stop_ids = tuple(range(0, 97, 4))  # ~25% of the vocab: some groups finish within a few steps
-    engine = RolloutEngine(mla_model, eos_token_ids=[96])
-    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6, stop_token_ids=stop_ids)
-    groups = []
-    shapes = forward_shapes(mla_model, lambda: groups.extend(engine.generate(STEP_PROMPTS, 2, params, seed=3)))
-    decode_rows = [batch for batch, seq in shapes if seq == 1]
-    assert decode_rows[0] == 2 * len(STEP_PROMPTS) and min(decode_rows) < decode_rows[0], "no group left the batch"
-    for index, (prompt, group) in enumerate(zip(STEP_PROMPTS, groups, strict=True)):
-        alone = engine.generate_group(prompt, 2, params, torch.Generator().manual_seed(group_seed(3, index)))
-        for a, b in zip(group.completions, alone.completions, strict=True):
-            assert a.tokens_R.tolist() == b.tokens_R.tolist()
-            torch.testing.assert_close(a.logprobs_R, b.logprobs_R, atol=1e-5, rtol=0)
-        assert_matches_full_forward(mla_model, group, temperature=0.8)
+    check_sampled_batch_equals_each_group_alone(mla_model)
 
 
 def test_mla_slab_steps_like_hf_cache(mla_model):
