@@ -197,7 +197,7 @@ def test_detached_equals_hf_with_the_boundary_state_held_constant(hybrid_path):
 
 
 @pytest.mark.parametrize("mode", ["exact", "detached"])
-def test_route_replay_reproduces_the_rollouts_logprobs(hybrid_path, mode):
+def test_route_replay_reproduces_hf_logprobs_under_forced_routes(hybrid_path, mode):
     """R3 with each router's own rule (Qwen3.5's always-renormalized top-k, Qwen3-Next's norm_topk_prob, the
     sigmoid-gated shared expert untouched): logprobs of an update that replays forced routes equal an HF forward
     under the same routes, and the routers' own picks come back per response."""

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA) decoders: DeepSeek-V3 (`deepseek_v3`, also Kimi-K2.5's text tower) and
+"""Multi-head latent attention (MLA) decoders: DeepSeek-V3 (`deepseek_v3`, Kimi-K2.5's text-tower architecture) and
 GLM-4.7-Flash (`glm4_moe_lite`) in transformers 5.x.
 
 MLA projects each token to a latent c = kv_a_layernorm(kv_a_proj_with_mqa(x)[:kv_lora_rank]) and one RoPE key k_r
