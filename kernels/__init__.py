@@ -35,6 +35,13 @@ here are torch and triton only. Callers use the functions below; nothing outside
         offsets[e]:offsets[e+1]); any strides. y[n] = scaling * B_e (A_e x[n]) in x's dtype, fp32 accumulation;
         gradients to x, A, B. Never forms B_e @ A_e or any [E, O, H] tensor; saves the [N, r] x A_e^T for backward.
 
+    sparse_latent_attention(q, pages, own_pages, index, latent_dim, scale, *, dpage_acc=None,
+                            return_lse=False) -> out (, lse)
+        DSA: latent_prefix_attention's pages, but each query token attends only to its selected keys. index int
+        [B?, R, K]: positions in [pages; own_pages], -1 = empty slot (causal, distinct: the caller's guarantee).
+        Plain torch on every device (no Triton kernel), blocked over query tokens; the selected prefix rows' gradient
+        is scatter-added into dpage_acc when given. Saves nothing of size P for backward.
+
 Dispatch: CUDA tensors -> Triton, CPU tensors -> reference; force="triton" | "reference" overrides. See
 docs/kernels.md for the math, the tiling and how to test and benchmark.
 """
@@ -43,6 +50,7 @@ from longstraw.kernels.expert_lora import expert_lora, expert_lora_reference
 from longstraw.kernels.fused_logprob import fused_logprob, fused_logprob_reference
 from longstraw.kernels.latent_attention import latent_prefix_attention, latent_prefix_attention_reference
 from longstraw.kernels.prefix_attention import prefix_attention, prefix_attention_reference
+from longstraw.kernels.sparse_latent_attention import sparse_latent_attention
 
 __all__ = [
     "expert_lora",
@@ -53,4 +61,5 @@ __all__ = [
     "latent_prefix_attention_reference",
     "prefix_attention",
     "prefix_attention_reference",
+    "sparse_latent_attention",
 ]

@@ -241,6 +241,19 @@ def processes_of_run(mark: str, title: str) -> list[int]:
     return pids
 
 
+def wait_for_processes(mark: str, title: str, count: int, timeout: float = 60) -> list[int]:
+    """processes_of_run(mark, title) once it finds `count` of them. A worker's /proc entry can be briefly unreadable
+    or untitled (Ray sets the title when the actor's task starts), so one look may miss a process that is there."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = processes_of_run(mark, title)
+        if len(pids) >= count or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.5)
+
+
 # ---- tolerances from the dtype and the size of the sum, and learning thresholds from the headroom ----
 
 

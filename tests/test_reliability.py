@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import RUN_MARK_VAR, new_run_mark, processes_of_run
+from conftest import RUN_MARK_VAR, new_run_mark, processes_of_run, wait_for_processes
 
 from mint.config import load_config
 from mint.train.driver import train
@@ -110,7 +110,7 @@ def test_a_sigkilled_rollout_actor_is_restarted_and_the_run_completes(tmp_path, 
     mark = new_run_mark()
     proc = _start(_cmd(tmp_path, "rollout"), **{RUN_MARK_VAR: mark})
     _wait_for_step(proc, run, 2)
-    victims = processes_of_run(mark, "ray::RolloutActor")  # this run's, not another job's on the machine
+    victims = wait_for_processes(mark, "ray::RolloutActor", 1)  # this run's, not another job's on the machine
     assert victims
     os.kill(victims[0], signal.SIGKILL)
     code, out, err = _finish(proc)
@@ -125,8 +125,8 @@ def test_a_sigkilled_learner_rank_restarts_from_the_checkpoint(tmp_path, referen
     mark = new_run_mark()
     proc = _start(_cmd(tmp_path, "learner"), **{RUN_MARK_VAR: mark})
     _wait_for_step(proc, run, 3)
-    victims = processes_of_run(mark, "ray::LearnerActor")
-    assert len(victims) == 2
+    victims = wait_for_processes(mark, "ray::LearnerActor", 2)
+    assert len(victims) == 2, victims
     os.kill(victims[1], signal.SIGKILL)
     code, out, err = _finish(proc)
     assert code == 0, err[-3000:]

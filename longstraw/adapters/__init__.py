@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from longstraw.adapters.base import Adapter, KVState, LayeredState, PrefixState, RecurrentState
+from longstraw.adapters.dsa import DsaAdapter
 from longstraw.adapters.glm import GlmAdapter
 from longstraw.adapters.hybrid import HybridQwenAdapter
 from longstraw.adapters.mla import MlaAdapter
@@ -23,6 +24,7 @@ ADAPTERS: dict[str, type[Adapter]] = {
     "glm4_moe": GlmAdapter,
     **{family: HybridQwenAdapter for family in HybridQwenAdapter.families},
     **{family: MlaAdapter for family in MlaAdapter.families},
+    **{family: DsaAdapter for family in DsaAdapter.families},
 }
 
 __all__ = ["ADAPTERS", "Adapter", "KVState", "LayeredState", "PrefixState", "RecurrentState", "adapter_for"]

@@ -147,7 +147,7 @@ class LayeredState:
         return {kind: part.nbytes for kind, part in self.parts.items()}
 
 
-_OPTIONS = ("kernels", "checkpoint_min_tokens", "vocab_limit", "on_positions", "keep_checkpoints")
+_OPTIONS = ("kernels", "checkpoint_min_tokens", "vocab_limit", "on_positions", "keep_checkpoints", "index_replay")
 
 
 class Adapter(ABC):
@@ -176,6 +176,9 @@ class Adapter(ABC):
     # The engine sets this on the adapter that captures a prompt exact mode will back-propagate through: a state
     # that needs more than its final value for that (a recurrent layer's chunk-start checkpoints) keeps it.
     keep_checkpoints = False
+    # DSA's indexer replay (longstraw.adapters.dsa): a callable (layer, start, T) giving the rollout's selection for
+    # those positions, or None. Adapters without an indexer never read it.
+    index_replay = None
 
     def with_options(self, **options) -> Adapter:
         """A copy with `options` (see _OPTIONS) set; self is unchanged.

@@ -35,9 +35,8 @@ from longstraw.adapters.base import KVState
 from longstraw.adapters.qwen import _FORCE, KVPrefix, QwenAdapter
 from longstraw.errors import LongStrawError
 
-# deepseek_v32 and glm_moe_dsa add DSA (a lightning indexer selecting index_topk keys per query): covered while a
-# sequence fits index_topk, where selection keeps every key and DSA is this dense MLA exactly.
-FAMILIES = ("deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
+# deepseek_v32 and glm_moe_dsa add DSA's indexer on top of this attention: longstraw.adapters.dsa.
+FAMILIES = ("deepseek_v3", "glm4_moe_lite")
 
 
 @dataclass
@@ -101,7 +100,7 @@ class MlaAdapter(QwenAdapter):
         self.num_layers = len(self.decoder.layers)
         # DeepSeek-V3 and GLM-4.7-Flash read rope_interleave (True as released); the DSA families always interleave.
         self.interleaved = bool(getattr(config, "rope_interleave", True))
-        self.index_topk = getattr(config, "index_topk", None)
+        self.index_topk = getattr(config, "index_topk", None)  # DSA's (DsaAdapter); None without an indexer
 
     # -- pieces --------------------------------------------------------------------------------------------------
 
@@ -159,15 +158,6 @@ class MlaAdapter(QwenAdapter):
         for a, _, b_uv, scaling in folded:
             out = out + scaling * torch.einsum("...htr,hvr->...htv", out_lat @ a.T, b_uv)
         return out
-
-    def _layers(self, tokens_T: torch.Tensor, start: int, prefixes: list, constant_rows: int, full: bool):
-        end = start + tokens_T.shape[-1]
-        if self.index_topk is not None and end > self.index_topk:
-            raise LongStrawError(
-                f"{self.config.model_type}: positions up to {end} exceed DSA's index_topk {self.index_topk}; LongStraw "
-                "covers DSA while every key is selected (prompt + response <= index_topk), not its sparse selection yet"
-            )
-        return super()._layers(tokens_T, start, prefixes, constant_rows, full)
 
     # -- the Adapter API -----------------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     DeepseekV3Config,
     DeepseekV32Config,
@@ -256,7 +257,16 @@ def _tiny_mla(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
 # Qwen3.5 and Qwen3.5-MoE checkpoints are these (Qwen3_5{Moe}ForConditionalGeneration, weights model.language_model.*
 # and model.visual.*). AutoModelForCausalLM maps them to the text CausalLM (Qwen3_5{Moe}ForCausalLM), whose config is
 # the checkpoint's text_config and which reads model.language_model.* as its model.* and leaves model.visual.* unread.
-VLM_TEXT_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5": "qwen3_5_text"}
+VLM_TEXT_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5": "qwen3_5_text", "kimi_k25": "deepseek_v3"}
+# Those that AutoModelForCausalLM maps to no class: the text_config's CausalLM loads with these renamings (regex ->
+# replacement, applied in order) of the checkpoint's keys; the vision tower's keys match no parameter and are not read.
+# Kimi-K2.5 (Kimi_K25ForConditionalGeneration, text_config deepseek_v3) as released: language_model.model.* and
+# language_model.lm_head.* (per-expert experts.{e}.*, fused by transformers' deepseek_v3 conversion). Its
+# save_pretrained writes that layout but with the decoder's layers as blocks (the reverse of the vision tower's
+# blocks -> layers renaming hits it too); with save_original_format=False, its module names model.language_model.*.
+VLM_TEXT_KEY_MAPPINGS = {
+    "kimi_k25": {r"^language_model\.": "", r"^model\.language_model\.": "model.", r"^model\.blocks\.": "model.layers."}
+}
 
 
 def vlm_text_model_type(config: PretrainedConfig) -> str | None:
@@ -270,9 +280,13 @@ def load_model(path: str, dtype: str = "float32") -> torch.nn.Module:
     A vision-language checkpoint of VLM_TEXT_MODEL_TYPES loads as its text model (the vision tower is not loaded).
     For those families a base weight the checkpoint lacks is an error, not a freshly initialized (and frozen) one: it
     is what a renaming of the checkpoint's language-model keys that did not apply would look like."""
-    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], output_loading_info=True)
+    config = AutoConfig.from_pretrained(path)
+    vlm = vlm_text_model_type(config)
+    renames = VLM_TEXT_KEY_MAPPINGS.get(config.model_type)
+    text = dict(config=text_config(config), key_mapping=renames) if renames else {}
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], output_loading_info=True, **text)
     missing = sorted(info.get("missing_keys") or [])
-    if missing and model.config.model_type in VLM_TEXT_MODEL_TYPES.values():
+    if missing and (vlm or model.config.model_type in ("qwen3_5_moe_text", "qwen3_5_text")):
         raise ConfigError(f"model.path: {path} lacks {len(missing)} weights of its text model, e.g. {missing[0]}")
     model.eval()
     for p in model.parameters():

@@ -1,0 +1,158 @@
+"""A Kimi-K2.5 vision-language checkpoint trains as its text model, a DeepSeek-V3 decoder.
+
+Kimi-K2.5 is Kimi_K25ForConditionalGeneration (model_type kimi_k25; text_config deepseek_v3, a MoonViT vision tower
+and a projector). AutoModelForCausalLM maps it to no class, so `load_model` builds the text_config's CausalLM and reads
+the language weights under `VLM_TEXT_KEY_MAPPINGS`' renaming. A tiny one is built here with transformers' own class
+and save_pretrained, in each layout that class loads:
+
+- "saved": save_pretrained's default, the released names (language_model.model.*, language_model.lm_head.*,
+  per-expert experts.{e}.*) except that the decoder's layers are written as blocks;
+- "released": the same with layers (what transformers' kimi_k25 conversion reads from the released checkpoint);
+- "modules": save_pretrained(save_original_format=False), the class's own names (model.language_model.*, lm_head.*,
+  fused experts).
+
+Checked: `load_model` gives DeepseekV3ForCausalLM holding exactly the VLM's language weights and none of its vision
+ones, with the VLM's own text-only logits; a checkpoint missing a language weight is refused in one line; LongStraw's
+MLA adapter on the loaded model replays the VLM's logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+from longstraw.adapters import adapter_for
+from longstraw.adapters.mla import LatentState
+from longstraw.engine import capture_prefix, score_response
+from longstraw.scoring import token_logprobs
+from mint.errors import ConfigError
+from mint.models.specs import load_model, tiny_config
+
+VOCAB = 97  # far below Kimi's media token ids (163k), which the VLM's forward would zero out
+LAYOUTS = ("saved", "released", "modules")
+
+
+def build_kimi_tiny(directory: Path, layout: str = "saved", seed: int = 0) -> str:
+    """Save a random tiny Kimi-K2.5 checkpoint in `layout` and return its directory: the text dims of Mint's tiny
+    deepseek_v3 (`_tiny_mla`: 3 layers, the first dense, 4 experts top-2 with a shared expert, q / kv down-projections)
+    at init std 0.05, lm_head untied as in Kimi-K2, and a one-block vision tower of width 32."""
+    text = tiny_config("deepseek_v3", VOCAB, initializer_range=0.05).to_dict()
+    vision = dict(
+        patch_size=4,
+        pos_emb_height=4,
+        pos_emb_width=4,
+        pos_emb_time=2,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        merge_kernel_size=[2, 2],
+    )
+    config = Kimi_K25Config(
+        text_config=text, vision_config=vision, projection_hidden_size=32, tie_word_embeddings=False
+    )
+    torch.manual_seed(seed)
+    model = Kimi_K25ForConditionalGeneration(config)
+    language = model.model.language_model
+    with torch.no_grad():  # norms and routing biases off their init (ones / zeros), so one read wrong shows
+        gen = torch.Generator().manual_seed(5)
+        for p in [*language.parameters(), *(b for n, b in language.named_buffers() if "e_score_correction_bias" in n)]:
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(directory, save_original_format=layout != "modules")
+    if layout == "released":
+        weights = load_file(directory / "model.safetensors")
+        weights = {
+            k.replace("language_model.model.blocks.", "language_model.model.layers."): v for k, v in weights.items()
+        }
+        save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    return str(directory)
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def kimi(request, tmp_path_factory) -> tuple[str, str]:
+    """(layout, directory) of a tiny Kimi-K2.5 checkpoint."""
+    return request.param, build_kimi_tiny(tmp_path_factory.mktemp(f"kimi_{request.param}"), request.param)
+
+
+def _vlm(path: str):
+    return Kimi_K25ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+
+
+def test_the_saved_checkpoint_is_a_kimi_vlm_one(kimi):
+    """The layouts the loader is written for are what transformers writes (so a change there fails here first)."""
+    layout, path = kimi
+    saved = json.loads((Path(path) / "config.json").read_text())
+    assert saved["model_type"] == "kimi_k25" and saved["text_config"]["model_type"] == "deepseek_v3"
+    keys = set(load_file(f"{path}/model.safetensors"))
+    decoder = {"saved": "language_model.model.blocks.", "released": "language_model.model.layers."}
+    head = "lm_head.weight" if layout == "modules" else "language_model.lm_head.weight"
+    assert head in keys and any(".vision_tower." in f".{k}" for k in keys)
+    if layout == "modules":
+        assert "model.language_model.layers.1.mlp.experts.gate_up_proj" in keys
+    else:
+        assert f"{decoder[layout]}1.mlp.experts.3.up_proj.weight" in keys
+        assert not any(k.startswith("model.language_model.") for k in keys)
+
+
+def test_load_model_gives_the_text_model_with_the_vlms_text_logits(kimi):
+    """DeepseekV3ForCausalLM, its config the text_config, every parameter the VLM's language model's bit for bit, no
+    vision weight, and the VLM's own forward's logits on the same input_ids (no media) to 1e-6 (fp32: both run the
+    same modules on the same weights; only the order of reductions may differ)."""
+    _, path = kimi
+    lm, vlm = load_model(path), _vlm(path)
+    assert (type(lm).__name__, lm.config.model_type) == ("DeepseekV3ForCausalLM", "deepseek_v3")
+    assert lm.config.num_hidden_layers == 3 and lm.config.first_k_dense_replace == 1
+    assert not any("vision" in n or "mm_projector" in n for n, _ in lm.named_parameters())
+    assert not any(p.requires_grad for p in lm.parameters())
+    language = dict(vlm.model.language_model.named_parameters()) | {"lm_head.weight": vlm.lm_head.weight}
+    mine = {n.removeprefix("model."): p for n, p in lm.named_parameters()}
+    assert set(mine) == set(language)
+    assert all(torch.equal(mine[n], language[n]) for n in mine)
+    biases = {n.removeprefix("model."): b for n, b in lm.named_buffers() if "e_score_correction_bias" in n}
+    vlm_biases = dict(vlm.model.language_model.named_buffers())
+    assert len(biases) == 2 and all(torch.equal(b, vlm_biases[n]) for n, b in biases.items())
+    with torch.no_grad():
+        want, got = vlm(input_ids=_ids()).logits, lm(input_ids=_ids()).logits
+    assert want.abs().max() > 0.1  # random weights at std 0.05 give non-trivial logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("key", ["model.layers.1.self_attn.q_a_proj.weight", "lm_head.weight"])
+def test_load_model_refuses_a_kimi_checkpoint_without_a_language_weight(key, tmp_path):
+    """One language weight deleted from the released layout: refused in one line naming it, not re-initialized."""
+    path = build_kimi_tiny(tmp_path / "broken", "released")
+    weights = load_file(f"{path}/model.safetensors")
+    del weights[f"language_model.{key}"]
+    save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=re.escape(f"lacks 1 weights of its text model, e.g. {key}")) as err:
+        load_model(path)
+    assert "\n" not in str(err.value)
+
+
+def test_longstraw_replays_the_vlms_logprobs(tmp_path):
+    """LongStraw's MLA adapter accepts the loaded text model: a prompt captured in chunks and one response replayed
+    against its latent pages give the VLM's own full-forward logprobs (fp32; 1e-5 as tests/test_mla.py, the absorbed
+    attention sums in another order than HF's expanded one)."""
+    path = build_kimi_tiny(tmp_path / "kimi", "released")  # one layout: the weights are equal in all (above)
+    lm, vlm = load_model(path), _vlm(path)
+    gen = torch.Generator().manual_seed(2)
+    tokens_P, response_R = torch.randint(0, VOCAB, (13,), generator=gen), torch.randint(0, VOCAB, (6,), generator=gen)
+    adapter = adapter_for(lm)
+    with torch.no_grad():
+        capture = capture_prefix(lm, tokens_P, 5, adapter)
+        assert isinstance(capture.state, LatentState)
+        got = score_response(adapter, tokens_P, response_R, capture.state, None, 0, 0.9)
+        logits = vlm(input_ids=torch.cat([tokens_P, response_R[:-1]])[None]).logits[0]
+    want = token_logprobs(logits[len(tokens_P) - 1 :], response_R, 0.9)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
