@@ -59,6 +59,18 @@ def all_reduce_(t: torch.Tensor, op: str, group=None) -> torch.Tensor:
     return t
 
 
+def all_gather(t: torch.Tensor, group=None) -> torch.Tensor:
+    """[C, *t.shape]: every rank's `t` in rank order (no gradient); [1, *t.shape] on one rank."""
+    for calls in _LOGS:
+        calls.append(("all_gather", t.numel() * t.element_size()))
+    t = t.contiguous()
+    if world_size(group) == 1:
+        return t.unsqueeze(0)
+    parts = [torch.empty_like(t) for _ in range(world_size(group))]
+    dist.all_gather(parts, t, group=group)
+    return torch.stack(parts)
+
+
 class _SumToReplicated(torch.autograd.Function):
     """y = sum over ranks of x (fp32 on the wire); backward: dL/dx = dL/dy (y is replicated, see module doc)."""
 

@@ -35,6 +35,7 @@ from longstraw._cp_collectives import (
 )
 from longstraw.adapters import Adapter, KVState, adapter_for
 from longstraw.adapters.base import IntoBuffer
+from longstraw.adapters.dsa import DsaAdapter
 from longstraw.adapters.hybrid import HybridQwenAdapter
 from longstraw.adapters.mla import MlaAdapter, SplitGradLatentState
 from longstraw.adapters.qwen import _FORCE, QwenAdapter, surrogate_backward
@@ -400,6 +401,10 @@ _CP_CLASSES: dict[type, type] = {
 
 
 def _cp_class(cls: type) -> type:
+    if cls is DsaAdapter and cls not in _CP_CLASSES:
+        from longstraw.context_parallel_dsa import CPDsaAdapter  # it builds on this module's classes
+
+        _CP_CLASSES[cls] = CPDsaAdapter
     if cls not in _CP_CLASSES:
         _CP_CLASSES[cls] = type(f"CP{cls.__name__}", (ContextParallel, cls), {})
     return _CP_CLASSES[cls]

@@ -7,6 +7,7 @@ itself from the same seeded inputs, runs the sharded version, and asserts. fp32 
 from __future__ import annotations
 
 import datetime
+import itertools
 
 import pytest
 import torch
@@ -178,7 +179,9 @@ def _run(model, tokens_P, responses, spec, adapter=None):
 
     def objective(i, logp_R, ref_logp_R):
         logps.append(logp_R.detach().clone())
-        loss = -(ADV[i] * logp_R).mean() + BETA * (logp_R - ref_logp_R).pow(2).mean()
+        loss = -(ADV[i] * logp_R).mean()
+        if ref_logp_R is not None:
+            loss = loss + BETA * (logp_R - ref_logp_R).pow(2).mean()
         return loss, {}
 
     metrics = grpo_update(model, tokens_P, responses, objective, spec, adapter=adapter)
@@ -329,3 +332,83 @@ def test_longstraw_cp_on_an_mla_base_equals_single_rank(family, mode, tmp_path):
     absorbed form; logprobs and LoRA gradients (kv_b_proj's factored fold included) equal one rank's."""
     path = build_random_tiny(family, str(tmp_path / "model"))
     _spawn(_mla_worker, 2, tmp_path, path, mode)
+
+
+# -- DSA: the selection merged across ranks ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_merged_top_keys_equal_the_one_rank_top_keys(ranks):
+    """Per-rank top k of each rank's contiguous positions, merged, is the top k over all positions, ties included
+    (scores of exactly 0, as ReLU index scores give, go to the lower position either way), also where a rank has
+    fewer than k candidates (-inf / -1 slots)."""
+    from longstraw.adapters.dsa import top_keys
+    from longstraw.context_parallel_dsa import merge_top_keys
+
+    gen = torch.Generator().manual_seed(ranks)
+    rows, keys, k = 50, 23, 8
+    scores = torch.randn(rows, keys, generator=gen).relu()  # about half exactly 0
+    scores[:, -4:] = float("-inf")  # keys after the queries' own positions
+    want_scores, want = top_keys(scores, k)
+    want = want.masked_fill(want_scores == float("-inf"), -1)
+    bounds = [r * keys // ranks for r in range(ranks + 1)]
+    local_scores, local_positions = [], []
+    for lo, hi in itertools.pairwise(bounds):
+        top, at = top_keys(scores[:, lo:hi], min(k, hi - lo))
+        pad = k - top.shape[-1]
+        positions = (at + lo).masked_fill(top == float("-inf"), -1)
+        local_scores.append(torch.nn.functional.pad(top, (0, pad), value=float("-inf")))
+        local_positions.append(torch.nn.functional.pad(positions, (0, pad), value=-1))
+    got = merge_top_keys(torch.stack(local_scores), torch.stack(local_positions), k)
+    assert torch.equal(got, want)
+    assert (scores.gather(-1, want.clamp(min=0)) == 0).any()  # ties at 0 were at the cut
+
+
+def _dsa_worker(rank: int, world: int, path: str, mode: str) -> None:
+    """One rank's LongStraw (own selection, recorded) against CP=world; the CP run replays the one-rank selections
+    through index_replay, whose mismatch counter must stay 0: the merged selection is the one-rank selection. No
+    reference pass and one response per replay, so that (layer, start, length) names one forward's selection."""
+    from test_dsa import TARGETS
+
+    model = lora_model(path, TARGETS)
+    gen = torch.Generator().manual_seed(1)
+    tokens_P = torch.randint(0, model.config.vocab_size, (P,), generator=gen)
+    responses = [torch.randint(0, model.config.vocab_size, (r,), generator=gen) for r in LENGTHS]
+    spec = UpdateSpec(mode=mode, chunk_size=CHUNK, temperature=TEMPERATURE, checkpoint_min_tokens=4)
+    one = adapter_for(model)
+    seen = {}
+    select = one._layer_selection
+
+    def record(attn, x, cos, sin, prefix, own_keys, start):
+        seen[attn.layer_idx, start, x.shape[-2]] = chosen = select(attn, x, cos, sin, prefix, own_keys, start)
+        return chosen
+
+    one._layer_selection = record
+    want_logps, want_grads, _ = _run(model, tokens_P, responses, spec, one)
+    assert seen and max(s.shape[-1] for s in seen.values()) == model.config.index_topk  # the sparse path ran
+    cp = cp_adapter_for(model).with_options(index_replay=lambda layer, start, t: seen[layer, start, t])
+    cp.index_mismatches = torch.zeros((), dtype=torch.int64)
+    logps, grads, _ = _run(model, tokens_P, responses, spec, cp)
+    label = f"dsa {mode} C={world} rank={rank}"
+    assert int(cp.index_mismatches) == 0, label
+    for got, want in zip(logps, want_logps, strict=True):
+        _close(got, want, f"{label} logp")
+    assert grads.keys() == want_grads.keys() and any("kv_b_proj" in n for n in grads)
+    for name in want_grads:
+        _close(grads[name], want_grads[name], f"{label} {name}", atol=1e-5, rtol=1e-4)
+    lo, hi = page_bounds(P - 1, world)[rank : rank + 2]
+    state = capture_cp(adapter_for(model), tokens_P[:-1], CHUNK)
+    full = adapter_for(model).capture(tokens_P[:-1], CHUNK)
+    _close(state.local.k_L_Hkv_S_D, full.k_L_Hkv_S_D[:, :, lo:hi], f"{label} latent pages")
+    _close(state.local.index_I_S_D, full.index_I_S_D[:, lo:hi], f"{label} indexer pages")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, mode", [("glm_moe_dsa", "exact"), ("deepseek_v32", "detached")])
+def test_longstraw_cp_on_a_dsa_base_past_index_topk_equals_single_rank(family, mode, tmp_path):
+    """DeepSeek-V3.2 / GLM-5 with index_topk 8 and CP=2: latent and indexer pages split over the ranks, each query's
+    top k merged from the ranks' candidates (equal to one rank's, counted), sparse partials merged by LSE; logprobs
+    and LoRA gradients equal one rank's."""
+    from test_dsa import _path
+
+    _spawn(_dsa_worker, 2, tmp_path, _path(family, str(tmp_path / "model")), mode)

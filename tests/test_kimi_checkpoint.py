@@ -25,14 +25,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+from transformers import AutoConfig, AutoModelForCausalLM, Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
 from longstraw.adapters import adapter_for
 from longstraw.adapters.mla import LatentState
 from longstraw.engine import capture_prefix, score_response
 from longstraw.scoring import token_logprobs
 from mint.errors import ConfigError
-from mint.models.specs import load_model, tiny_config
+from mint.models.specs import causal_lm_config, load_model, moe_layout, tiny_config
 
 VOCAB = 97  # far below Kimi's media token ids (163k), which the VLM's forward would zero out
 LAYOUTS = ("saved", "released", "modules")
@@ -126,6 +126,22 @@ def test_load_model_gives_the_text_model_with_the_vlms_text_logits(kimi):
         want, got = vlm(input_ids=_ids()).logits, lm(input_ids=_ids()).logits
     assert want.abs().max() > 0.1  # random weights at std 0.05 give non-trivial logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_the_skeleton_and_expert_layout_of_a_kimi_checkpoint_are_its_text_models(kimi):
+    """The checkpoint's own config (what preflight and the engines read) gives the trained model's expert layout, and
+    `causal_lm_config` a meta-device skeleton with the loaded model's parameters (AutoModelForCausalLM refuses the
+    composite config itself)."""
+    _, path = kimi
+    config = AutoConfig.from_pretrained(path)
+    layout = moe_layout(config)
+    assert (layout.num_layers, layout.num_experts, layout.top_k, layout.layer_ids) == (2, 4, 2, (1, 2))
+    with pytest.raises(ValueError, match="Unrecognized configuration class"):
+        AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(causal_lm_config(config))
+    loaded = {n: p.shape for n, p in load_model(path).named_parameters()}
+    assert {n: p.shape for n, p in skeleton.named_parameters()} == loaded
 
 
 @pytest.mark.parametrize("key", ["model.layers.1.self_attn.q_a_proj.weight", "lm_head.weight"])

@@ -114,33 +114,42 @@ class DsaAdapter(MlaAdapter):
         apply = getattr(sys.modules[type(attn).__module__], _INDEXER_ROPE[self.config.model_type])
         return apply(q, k, cos[None], sin[None], unsqueeze_dim=2)
 
-    def _select(self, attn, x, cos, sin, prefix_keys, own_keys, start: int) -> torch.Tensor:
-        """Each query's top index_topk causal keys by index score: [..., T, K] absolute key positions (prefix j is
-        page j, own token t is start + t), -1 in the slots of a query with fewer than K causal keys."""
+    def _candidates(self, attn, x, cos, sin, keys, positions, start: int, k: int):
+        """The top k of `keys` [B or 1, S', D] (at absolute `positions` [S'], ascending) for each query of x [..., T,
+        Hd] at start .., by index score, keys after a query's own position excluded: (scores [B, T, k] fp32,
+        positions [B, T, k] int64), -inf and -1 in slots past a query's candidates. Blocked over queries."""
         ix = attn.indexer
-        lead, t, hd = x.shape[:-2], x.shape[-2], x.shape[-1]
+        t, hd = x.shape[-2], x.shape[-1]
         x3 = x.reshape(-1, t, hd)
         q = ix.wq_b(attn.q_a_layernorm(attn.q_a_proj(x3))).view(x3.shape[0], t, ix.n_heads, self.index_dim)
         q_rot, q_pass = q.split([self.rope_dim, self.index_dim - self.rope_dim], dim=-1)
         q_rot, _ = self._index_rope(attn, q_rot, q_rot[:, :, :1], cos, sin)
         q = torch.cat([q_rot, q_pass], dim=-1).float()  # [B, T, heads, D]
         weights = ix.weights_proj(x3.to(ix.weights_proj.weight.dtype)).float() * ix.n_heads**-0.5  # [B, T, heads]
-        prefix_keys = prefix_keys.unsqueeze(0).expand(x3.shape[0], -1, -1)
-        keys = torch.cat([prefix_keys, own_keys.reshape(-1, t, self.index_dim)], dim=1).float()  # [B, S, D]
-        s_len = keys.shape[1]
-        k_sel = min(self.index_topk, s_len)
-        out = torch.empty((x3.shape[0], t, k_sel), dtype=torch.int64, device=x.device)
-        block = max(1, _SCORE_BLOCK_ELEMENTS // max(1, x3.shape[0] * ix.n_heads * s_len))
-        positions = torch.arange(s_len, device=x.device)
+        keys = keys.float()
+        values = torch.full((x3.shape[0], t, k), float("-inf"), device=x.device)
+        chosen = torch.full((x3.shape[0], t, k), -1, dtype=torch.int64, device=x.device)
+        n = min(k, keys.shape[1])
+        block = max(1, _SCORE_BLOCK_ELEMENTS // max(1, x3.shape[0] * ix.n_heads * keys.shape[1]))
         for a in range(0, t, block):
             b = min(a + block, t)
             scores = torch.relu(torch.einsum("bthd,bsd->bths", q[:, a:b], keys) * ix.softmax_scale)
             index = torch.einsum("bth,bths->bts", weights[:, a:b], scores)
-            causal = positions[None, :] <= (start + torch.arange(a, b, device=x.device))[:, None]  # [Tb, S]
-            index = index.masked_fill(~causal, float("-inf"))
-            values, chosen = top_keys(index, k_sel)
-            out[:, a:b] = chosen.masked_fill(values == float("-inf"), -1)
-        return out.reshape(*lead, t, k_sel)
+            causal = positions[None, :] <= (start + torch.arange(a, b, device=x.device))[:, None]  # [Tb, S']
+            top, at = top_keys(index.masked_fill(~causal, float("-inf")), n)
+            values[:, a:b, :n] = top
+            chosen[:, a:b, :n] = positions[at].masked_fill(top == float("-inf"), -1)
+        return values, chosen
+
+    def _select(self, attn, x, cos, sin, prefix: DsaPrefix, own_keys, start: int) -> torch.Tensor:
+        """Each query's top index_topk causal keys by index score: [..., T, K] absolute key positions (prefix j is
+        page j, own token t is start + t), -1 in the slots of a query with fewer than K causal keys."""
+        t = x.shape[-2]
+        own = own_keys.reshape(-1, t, self.index_dim)
+        keys = torch.cat([prefix.index_k.unsqueeze(0).expand(own.shape[0], -1, -1), own], dim=1)  # [B, S, D]
+        positions = torch.arange(start + t, device=x.device)
+        _, chosen = self._candidates(attn, x, cos, sin, keys, positions, start, min(self.index_topk, start + t))
+        return chosen.reshape(*x.shape[:-2], t, chosen.shape[-1])
 
     # -- the layer loop ------------------------------------------------------------------------------------------
 
@@ -159,7 +168,7 @@ class DsaAdapter(MlaAdapter):
         return self._mlp(layer, h + out), k, k
 
     def _layer_selection(self, attn, x, cos, sin, prefix: DsaPrefix, own_keys, start: int) -> torch.Tensor:
-        own = self._select(attn, x, cos, sin, prefix.index_k, own_keys, start)
+        own = self._select(attn, x, cos, sin, prefix, own_keys, start)
         replayed = self.index_replay(attn.layer_idx, start, x.shape[-2]) if self.index_replay is not None else None
         if replayed is None:
             return own

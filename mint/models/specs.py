@@ -274,16 +274,25 @@ def vlm_text_model_type(config: PretrainedConfig) -> str | None:
     return VLM_TEXT_MODEL_TYPES.get(getattr(config, "model_type", ""))
 
 
+def causal_lm_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The config AutoModelForCausalLM builds the trained model from: a VLM_TEXT_KEY_MAPPINGS checkpoint's text_config
+    (transformers maps its own config to no CausalLM), else `config` itself. A meta-device skeleton of the base
+    (`AutoModelForCausalLM.from_config`) takes this, not the checkpoint's config."""
+    return text_config(config) if getattr(config, "model_type", "") in VLM_TEXT_KEY_MAPPINGS else config
+
+
 def load_model(path: str, dtype: str = "float32") -> torch.nn.Module:
     """Load a causal LM from a hub id or a local directory, in eval mode, with all base weights frozen.
 
-    A vision-language checkpoint of VLM_TEXT_MODEL_TYPES loads as its text model (the vision tower is not loaded).
-    For those families a base weight the checkpoint lacks is an error, not a freshly initialized (and frozen) one: it
-    is what a renaming of the checkpoint's language-model keys that did not apply would look like."""
+    A vision-language checkpoint of VLM_TEXT_MODEL_TYPES loads as its text model (the vision tower is not loaded):
+    by AutoModelForCausalLM's own mapping, or as the text_config's CausalLM reading the keys VLM_TEXT_KEY_MAPPINGS
+    renames. For those families (and the Qwen3.5 text models) a base weight the checkpoint lacks is an error, not a
+    freshly initialized (and frozen) one: it is what a renaming of the checkpoint's language-model keys that did not
+    apply would look like."""
     config = AutoConfig.from_pretrained(path)
     vlm = vlm_text_model_type(config)
     renames = VLM_TEXT_KEY_MAPPINGS.get(config.model_type)
-    text = dict(config=text_config(config), key_mapping=renames) if renames else {}
+    text = dict(config=causal_lm_config(config), key_mapping=renames) if renames else {}
     model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], output_loading_info=True, **text)
     missing = sorted(info.get("missing_keys") or [])
     if missing and (vlm or model.config.model_type in ("qwen3_5_moe_text", "qwen3_5_text")):
