@@ -33,6 +33,7 @@ from torch import nn
 
 from longstraw.adapters import Adapter, PrefixState, adapter_for
 from longstraw.errors import LongStrawError
+from longstraw.indexer_replay import IndexerReplay
 from longstraw.memory import GraphMeter, PeakMeter, module_storages
 from longstraw.replay import native_routes, plan_micro_batches, positions_hook, score_response, score_responses
 from longstraw.routing import RouteReplay, SequenceRoutes
@@ -136,6 +137,10 @@ class UpdateMetrics:
     replay_s: float | None
     prompt_backward_s: float | None
     micro_batches: int = 0  # replay forwards (G when serial)
+    # DSA indexer replay (records given): response query x indexer layer pairs replayed, and those where the
+    # learner's own selection differed from the record.
+    indexer_replayed: int = 0
+    indexer_mismatched: int = 0
     # R3 (routes given): per response, the expert ids the routers picked themselves in its replay, [R_i, L, k] on
     # the model's device (the caller measures how far they are from the recorded routes); None without routes.
     native_routes: tuple[torch.Tensor, ...] | None = field(default=None, compare=False, repr=False)
@@ -170,6 +175,7 @@ def grpo_update(
     capture: PrefixCapture | None = None,
     backward: Backward | None = None,
     routes: SequenceRoutes | None = None,
+    indexer: list[torch.Tensor | None] | None = None,
 ) -> UpdateMetrics:
     """Accumulate the LoRA gradient of sum_i objective(i, logp_i, ref_logp_i) into `.grad`; return metrics.
 
@@ -181,6 +187,8 @@ def grpo_update(
     routes: R3, the recorded expert ids per position; every forward of the update (capture, reference, replays,
         prompt backward) replays them where they are usable (longstraw.routing.SequenceRoutes), and the routers' own
         picks in each response's replay come back in UpdateMetrics.native_routes.
+    indexer: DSA indexer replay, per response the rollout's selections [R_i, indexer layers, index_topk] (or None):
+        its forwards attend to them past index_topk (longstraw.indexer_replay); UpdateMetrics counts mismatches.
     Nothing else the caller passes is written to (resident mode's `capture` is kept on purpose: its age, and its
     state when recaptured): the adapter runs as copies with the spec's options (`Adapter.with_options`), and the
     routes are only read.
@@ -188,11 +196,18 @@ def grpo_update(
     backward = backward or _plain_backward
     options = dict(kernels=spec.kernels, checkpoint_min_tokens=spec.checkpoint_min_tokens, vocab_limit=spec.vocab_limit)
     adapter = (adapter or adapter_for(model)).with_options(**options)
+    replay = None
+    if indexer is not None:
+        if not hasattr(adapter, "index_slot"):
+            raise LongStrawError(f"indexer replay: {type(adapter).__name__} has no DSA indexer")
+        lengths = [int(r.shape[0]) for r in responses]
+        replay = IndexerReplay(indexer, lengths, int(tokens_P.shape[0]), adapter.index_slot)
     with RouteReplay(model) if routes is not None else nullcontext() as hooks:
-        return _update(model, tokens_P, responses, objective, spec, adapter, capture, backward, routes, hooks)
+        return _update(model, tokens_P, responses, objective, spec, adapter, capture, backward, (routes, hooks, replay))
 
 
-def _update(model, tokens_P, responses, objective, spec, adapter, capture, backward, routes, hooks) -> UpdateMetrics:
+def _update(model, tokens_P, responses, objective, spec, adapter, capture, backward, replays) -> UpdateMetrics:
+    routes, hooks, indexer = replays
     _check_tokens("tokens_P", tokens_P)
     if not responses:
         raise LongStrawError("grpo_update: no responses")
@@ -217,9 +232,7 @@ def _update(model, tokens_P, responses, objective, spec, adapter, capture, backw
     # Prompt rows carry any response's routes; exact mode keeps what its prompt backward recomputes from.
     prompt_routes = positions_hook(hooks, routes, [0])
     prompt = adapter.with_options(on_positions=prompt_routes, keep_checkpoints=spec.mode == "exact")
-    ref_logps, ref_s = _score_reference(
-        model, adapter, prompt, tokens_P, responses, batches, spec, routes, hooks, clock
-    )
+    ref_logps, ref_s = _score_reference(model, adapter, prompt, tokens_P, responses, batches, spec, replays, clock)
 
     t0 = clock.now()
     age = 0
@@ -235,7 +248,7 @@ def _update(model, tokens_P, responses, objective, spec, adapter, capture, backw
 
     t0 = clock.now()
     replay = (adapter, model, tokens_P, responses, batches, objective, spec, state, grad, ref_logps, backward)
-    loss, stats, graph_bytes, natives = _replay(*replay, routes, hooks)
+    loss, stats, graph_bytes, natives = _replay(*replay, replays)
     replay_s = clock.since(t0)
 
     t0 = clock.now()
@@ -272,11 +285,23 @@ def _update(model, tokens_P, responses, objective, spec, adapter, capture, backw
         prompt_backward_s=prompt_backward_s,
         micro_batches=len(batches),
         native_routes=tuple(natives) if natives is not None else None,
+        indexer_replayed=int(indexer.replayed) if indexer is not None else 0,
+        indexer_mismatched=int(indexer.mismatched) if indexer is not None else 0,
     )
 
 
-def _score_reference(model, adapter, prompt, tokens_P, responses, batches, spec, routes, hooks, clock):
-    """Reference logprobs per response (adapter disabled, no graph), from its own capture, freed before returning."""
+def _rows_options(replays, rows: list[int], count: bool = True) -> dict:
+    """The adapter options of a forward over responses `rows`: their route window hook and indexer replay."""
+    routes, hooks, indexer = replays
+    options = dict(on_positions=positions_hook(hooks, routes, rows))
+    if indexer is not None:
+        options["index_replay"] = indexer.for_rows(rows, count)
+    return options
+
+
+def _score_reference(model, adapter, prompt, tokens_P, responses, batches, spec, replays, clock):
+    """Reference logprobs per response (adapter disabled, no graph), from its own capture, freed before returning.
+    Recorded selections are replayed here too (uncounted), as routes are."""
     if not spec.need_ref:
         return [None] * len(responses), 0.0 if spec.measure else None
     if not hasattr(model, "disable_adapter"):
@@ -286,7 +311,7 @@ def _score_reference(model, adapter, prompt, tokens_P, responses, batches, spec,
     with model.disable_adapter(), torch.no_grad():
         ref_state = prompt.with_options(keep_checkpoints=False).capture(tokens_P[:-1], spec.chunk_size)
         for rows in batches:
-            rows_adapter = adapter.with_options(on_positions=positions_hook(hooks, routes, rows))
+            rows_adapter = adapter.with_options(**_rows_options(replays, rows, count=False))
             scored = score_responses(
                 rows_adapter, tokens_P, [responses[i] for i in rows], ref_state, None, 0, spec.temperature
             )
@@ -296,9 +321,7 @@ def _score_reference(model, adapter, prompt, tokens_P, responses, batches, spec,
     return ref_logps, clock.since(t0)
 
 
-def _replay(
-    adapter, model, tokens_P, responses, batches, objective, spec, state, grad, ref_logps, backward, routes, hooks
-):
+def _replay(adapter, model, tokens_P, responses, batches, objective, spec, state, grad, ref_logps, backward, replays):
     """Micro-batches of responses with autograd: one forward, the objective of each response, one backward of their
     sum; each graph is freed by its backward before the next micro-batch runs. Returns (loss sum, stats sums,
     largest metered graph, per-response native routes or None)."""
@@ -306,10 +329,11 @@ def _replay(
     exclude = set()
     if spec.measure_graph:
         exclude = module_storages(model) | state.storages() | (grad.storages() if grad is not None else set())
+    hooks = replays[1]
     natives = [None] * len(responses) if hooks is not None else None
     loss_sum, stats_sum, graph_bytes = 0.0, {}, 0
     for b, rows in enumerate(batches):
-        rows_adapter = adapter.with_options(on_positions=positions_hook(hooks, routes, rows))
+        rows_adapter = adapter.with_options(**_rows_options(replays, rows))
         group = [responses[i] for i in rows]
         meter = GraphMeter(exclude) if spec.measure_graph else None
         with meter if meter is not None else nullcontext():

@@ -7,7 +7,7 @@ implementations keep different keys):
 - injected: one fixed random causal selection per layer and position drives both transformers' attention (its
   indexer's output replaced) and LongStraw's (`index_replay`), so logprobs and gradients must agree to fp32 noise;
 - own: LongStraw's indexer against transformers', on a base with 8 indexer heads where no tie falls at the cut for
-  these inputs (checked: the selections agree key for key, counted by index_replay's mismatch counter).
+  these inputs (checked: transformers' selections, replayed as rollout records, count no mismatch).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from conftest import load_fp32, lora_model, pop_lora_grads, update_inputs, updat
 from longstraw.adapters import adapter_for
 from longstraw.adapters.dsa import DsaAdapter, DsaState
 from longstraw.engine import UpdateSpec, capture_prefix, grpo_update, score_response
+from longstraw.errors import LongStrawError
+from longstraw.indexer_replay import IndexerReplay
 from longstraw.scoring import token_logprobs
 
 FAMILIES = ["deepseek_v32", "glm_moe_dsa"]
@@ -69,30 +71,36 @@ class Injected:
                 rows[s, : keys.numel()] = keys
             self.rows[i] = rows
 
-    def replay(self, layer: int, start: int, t: int) -> torch.Tensor:
-        rows = self.rows[layer][start : start + t]
-        k = min(TOPK, start + t)
-        # A query with fewer than k causal keys has its keys first, then -1: the width LongStraw's own top-k takes.
-        return rows[:, :k]
+    def replay(self, layer: int, start: int, own: torch.Tensor) -> torch.Tensor:
+        """LongStraw's index_replay: the injected rows in place of the layer's own selection [T, K]."""
+        t, k = own.shape[-2:]
+        return self.rows[layer][start : start + t, :k].expand_as(own)
 
-    def patch(self, model):
-        """Replace each HF indexer's top-k by the injected rows: [1, S, min(TOPK, S)] with the empty slots filled by
-        future positions, which the causal mask hides (transformers' own top-k does the same)."""
-        patched = []
+    def records(self, prompt_len: int, responses) -> list[torch.Tensor]:
+        """Per response, the injected rows of its queries (positions P-1 ..) as rollout records [R, I, K]."""
+        layers = sorted(self.rows)
+        return [
+            torch.stack([self.rows[i][prompt_len - 1 : prompt_len - 1 + len(r)] for i in layers], 1) for r in responses
+        ]
+
+    def patch(self, model, own_before: int = 0):
+        """Replace each HF indexer's top-k by the injected rows, from query position `own_before` on (the queries
+        before it keep the indexer's own): [1, S, min(TOPK, S)] with the empty slots filled by future positions,
+        which the causal mask hides (transformers' own top-k does the same)."""
         for i, rows in self.rows.items():
             indexer = model.get_base_model().model.layers[i].self_attn.indexer
+            own_forward = indexer.forward
 
-            def forward(hidden_states, *args, _rows=rows, **kwargs):
+            def forward(hidden_states, *args, _rows=rows, _own=own_forward, **kwargs):
                 s = hidden_states.shape[1]
                 k = min(TOPK, s)
                 out = _rows[:s, :k].clone()
                 for q in range(min(k - 1, s)):
                     out[q, q + 1 :] = torch.arange(q + 1, k)
+                out[:own_before] = _own(hidden_states, *args, **kwargs)[0, :own_before].long()
                 return out[None].to(torch.int32)
 
             indexer.forward = forward
-            patched.append(indexer)
-        return patched
 
 
 def _hf_logp(model, tokens_P, response_R, detach_prompt_pages=False):
@@ -145,7 +153,6 @@ def test_injected_selection_logprobs_match_hf(dsa_path):
         want = [_hf_logp(model, tokens_P, r) for r in responses]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
-    assert adapter.index_mismatches > 0  # the injected selection is not the indexer's own
     # The selection matters: the model's own indexer gives other logprobs.
     assert max((n - w).abs().max() for n, w in zip(native, want, strict=True)) > 1e-3
 
@@ -185,20 +192,18 @@ def test_own_selection_equals_hf_where_no_tie_falls_at_the_cut(family, tmp_path)
     for i, layer in enumerate(model.get_base_model().model.layers):
         if getattr(layer.self_attn, "indexer", None) is not None:
             layer.self_attn.indexer.register_forward_hook(lambda m, a, out, i=i: recorded.__setitem__(i, out[0]))
-    adapter = adapter_for(model)
+    adapter, p1 = adapter_for(model), tokens_P.shape[0] - 1
     with torch.no_grad():
         capture = capture_prefix(model, tokens_P, CHUNK, adapter)
         for r in responses:
             want = _hf_logp(model, tokens_P, r)
             hf = {i: _causal(rows.long()) for i, rows in recorded.items()}
 
-            def replay(layer, start, t, hf=hf):
-                return hf[layer][start : start + t, : min(TOPK, start + t)]
-
-            counted = adapter.with_options(index_replay=replay)
-            counted.index_mismatches = torch.zeros((), dtype=torch.int64)
+            records = [torch.stack([hf[i][p1 : p1 + len(r)] for i in sorted(hf)], 1)]
+            replay = IndexerReplay(records, [len(r)], tokens_P.shape[0], adapter.index_slot)
+            counted = adapter.with_options(index_replay=replay.for_rows([0]))
             got = score_response(counted, tokens_P, r, capture.state, None, 0, TEMPERATURE)
-            assert int(counted.index_mismatches) == 0
+            assert int(replay.replayed) == len(r) * len(hf) and int(replay.mismatched) == 0
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
             mine = score_response(adapter, tokens_P, r, capture.state, None, 0, TEMPERATURE)
             torch.testing.assert_close(mine, want, atol=1e-5, rtol=0)
@@ -209,3 +214,39 @@ def _causal(rows: torch.Tensor) -> torch.Tensor:
     that the empty slots come first (LongStraw compares selections as sets)."""
     s = torch.arange(rows.shape[0])[:, None]
     return rows.masked_fill(rows > s, -1).sort(-1).values
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_indexer_replay_attends_to_the_records_and_counts_mismatches(family, tmp_path):
+    """grpo_update with rollout records for the response queries (here: random selections, as if the rollout's
+    indexer had picked them): the response forwards attend to them, the prompt keeps the learner's own (equal to
+    transformers' on this tie-free base), exact-mode gradients equal transformers' backprop under the same
+    selections, and the update counts every replayed query x layer and the ones that differed."""
+    model = lora_model(_path(family, str(tmp_path / family), index_n_heads=8), TARGETS)
+    tokens_P, responses = update_inputs(model.config.vocab_size)
+    p = tokens_P.shape[0]
+    injected = Injected(model, p + max(len(r) for r in responses))
+    injected.patch(model, own_before=p - 1)
+    for i, r in enumerate(responses):
+        with model.disable_adapter(), torch.no_grad():
+            ref = _hf_logp(model, tokens_P, r)
+        update_objective(i, _hf_logp(model, tokens_P, r), ref)[0].backward()
+    want = pop_lora_grads(model)
+    spec = UpdateSpec(mode="exact", chunk_size=CHUNK, temperature=TEMPERATURE, need_ref=True)
+    metrics = grpo_update(model, tokens_P, responses, update_objective, spec, indexer=injected.records(p, responses))
+    got = pop_lora_grads(model)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert metrics.indexer_replayed == sum(len(r) for r in responses) * len(injected.rows)
+    # Queries with at most index_topk keys keep them all either way; past that a random pick differs from the top k.
+    past = sum(max(0, p - 1 + len(r) - TOPK) for r in responses) * len(injected.rows)
+    assert 0 < metrics.indexer_mismatched <= past
+
+
+def test_indexer_records_of_the_wrong_shape_are_refused_in_one_line(dsa_path):
+    model = lora_model(dsa_path, TARGETS)
+    tokens_P, responses = update_inputs(model.config.vocab_size)
+    bad = [torch.zeros(len(r) + 1, 2, TOPK, dtype=torch.int32) for r in responses]
+    with pytest.raises(LongStrawError, match="record is") as err:
+        grpo_update(model, tokens_P, responses, update_objective, UpdateSpec(chunk_size=CHUNK), indexer=bad)
+    assert "\n" not in str(err.value)

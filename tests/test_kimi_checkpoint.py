@@ -13,13 +13,18 @@ and save_pretrained, in each layout that class loads:
 
 Checked: `load_model` gives DeepseekV3ForCausalLM holding exactly the VLM's language weights and none of its vision
 ones, with the VLM's own text-only logits; a checkpoint missing a language weight is refused in one line; LongStraw's
-MLA adapter on the loaded model replays the VLM's logprobs.
+MLA adapter on the loaded model replays the VLM's logprobs. The paths that build a meta-device skeleton from the
+checkpoint's own config (export's expert metadata and sizes, preflight's R3 check) build the text model's; vLLM and
+SGLang are refused LoRA on it in one line, and vLLM's own class is asked whether it supports LoRA; a recipe on the
+checkpoint passes preflight.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -31,18 +36,31 @@ from longstraw.adapters import adapter_for
 from longstraw.adapters.mla import LatentState
 from longstraw.engine import capture_prefix, score_response
 from longstraw.scoring import token_logprobs
-from mint.errors import ConfigError
+from mint.config import LoraConfig, load_config
+from mint.errors import ConfigError, MintError
+from mint.hub.export import (
+    ENGINE_REFUSED_FAMILIES,
+    engine_layout,
+    expert_loras,
+    lora_size,
+    read_adapter_dir,
+    write_adapter_dir,
+)
+from mint.hub.revisions import revision_id
+from mint.models.lora import adapter_config_dict, add_lora, load_lora_state, lora_state
 from mint.models.specs import causal_lm_config, load_model, moe_layout, tiny_config
+from mint.models.tiny import build_tokenizer
+from mint.train.preflight import Preflight, check_route_replay, preflight
 
 VOCAB = 97  # far below Kimi's media token ids (163k), which the VLM's forward would zero out
 LAYOUTS = ("saved", "released", "modules")
 
 
-def build_kimi_tiny(directory: Path, layout: str = "saved", seed: int = 0) -> str:
+def build_kimi_tiny(directory: Path, layout: str = "saved", seed: int = 0, vocab_size: int = VOCAB) -> str:
     """Save a random tiny Kimi-K2.5 checkpoint in `layout` and return its directory: the text dims of Mint's tiny
     deepseek_v3 (`_tiny_mla`: 3 layers, the first dense, 4 experts top-2 with a shared expert, q / kv down-projections)
     at init std 0.05, lm_head untied as in Kimi-K2, and a one-block vision tower of width 32."""
-    text = tiny_config("deepseek_v3", VOCAB, initializer_range=0.05).to_dict()
+    text = tiny_config("deepseek_v3", vocab_size, initializer_range=0.05).to_dict()
     vision = dict(
         patch_size=4,
         pos_emb_height=4,

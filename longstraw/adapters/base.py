@@ -176,8 +176,8 @@ class Adapter(ABC):
     # The engine sets this on the adapter that captures a prompt exact mode will back-propagate through: a state
     # that needs more than its final value for that (a recurrent layer's chunk-start checkpoints) keeps it.
     keep_checkpoints = False
-    # DSA's indexer replay (longstraw.adapters.dsa): a callable (layer, start, T) giving the rollout's selection for
-    # those positions, or None. Adapters without an indexer never read it.
+    # DSA's indexer replay (longstraw.adapters.dsa): a callable (layer, start, own selection) -> the selection to
+    # attend to, or None. Adapters without an indexer never read it.
     index_replay = None
 
     def with_options(self, **options) -> Adapter:

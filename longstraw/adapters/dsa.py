@@ -19,9 +19,9 @@ differ. ReLU scores of 0 tie often: LongStraw gives a tie to the lower position 
 chunking or the context-parallel layout, where torch.topk's choice may change with the row length. Where a tie falls
 at the cut, the rollout engine may have kept other keys; indexer replay removes that difference.
 
-Indexer replay (`index_replay`, off unless set): a callable (layer, start, T) -> the rollout's selection for those
-positions ([B?, T, K] absolute key positions, -1 for an empty slot) or None. A replayed layer attends to that
-selection instead of its own, and `index_mismatches` counts the (query, slot) pairs where the two differ.
+Indexer replay (`index_replay`, off unless set): a callable (layer, start, own) given the layer's own selection
+own [..., T, K] for positions start .. start + T - 1, returning the selection to attend to (the rollout's, where it
+was recorded: longstraw.indexer_replay), in the same form.
 """
 
 from __future__ import annotations
@@ -97,7 +97,6 @@ class DsaAdapter(MlaAdapter):
             if getattr(layer.self_attn, "indexer", None) is not None:
                 self.index_slot[i] = len(self.index_slot)
         self.index_dim = self.config.index_head_dim
-        self.index_mismatches = torch.zeros((), dtype=torch.int64)
 
     # -- the indexer ---------------------------------------------------------------------------------------------
 
@@ -169,13 +168,9 @@ class DsaAdapter(MlaAdapter):
 
     def _layer_selection(self, attn, x, cos, sin, prefix: DsaPrefix, own_keys, start: int) -> torch.Tensor:
         own = self._select(attn, x, cos, sin, prefix, own_keys, start)
-        replayed = self.index_replay(attn.layer_idx, start, x.shape[-2]) if self.index_replay is not None else None
-        if replayed is None:
+        if self.index_replay is None:
             return own
-        replayed = replayed.to(own.device, torch.int64).expand_as(own)
-        # Slots compared as sets per query: both lists are sorted, empty slots (-1) first.
-        self.index_mismatches += (own.sort(-1).values != replayed.sort(-1).values).sum().cpu()
-        return replayed
+        return self.index_replay(attn.layer_idx, start, own)
 
     def _attend_sparse(self, attn: nn.Module, q, k, prefix: KVPrefix, selection: torch.Tensor) -> torch.Tensor:
         """Latent attention over each query's selected pages, then W_uv and o_proj (see MlaAdapter._attend)."""

@@ -81,10 +81,19 @@ ENGINE_EXPERT_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
     "mint": {family: ("peft", "per-expert") for family in PER_EXPERT_FAMILIES},  # `mint serve`
 }
 
-# Families an engine is handed no adapter for at all, with the reason in one line. No test runs SGLang's loader on a
-# Qwen3.5 VLM checkpoint (Qwen3_5{Moe}ForConditionalGeneration there), so SGLang is not handed one.
+# Families (the checkpoint's model_type) an engine is handed no adapter for at all, with the reason in one line. No
+# test runs SGLang's loader on a Qwen3.5 VLM checkpoint (Qwen3_5{Moe}ForConditionalGeneration there), so SGLang is not
+# handed one. Kimi-K2.5 (kimi_k25): vLLM's KimiK25ForConditionalGeneration does not implement SupportsLoRA, and its
+# server refuses --enable-lora for it at start ("does not support LoRA yet"; tests/test_kimi_checkpoint.py asks vLLM's
+# own class). SGLang gates LoRA on no class flag (its LoRA manager wraps modules by name), and no test runs its loader
+# on a Kimi checkpoint.
 _SGLANG_VLM = "sglang: LoRA on a {} VLM checkpoint is unchecked; use vllm, or serve the text checkpoint ({}_text)"
-ENGINE_REFUSED_FAMILIES = {"sglang": {vlm: _SGLANG_VLM.format(vlm, vlm) for vlm in ("qwen3_5_moe", "qwen3_5")}}
+_VLLM_KIMI = "vllm: its KimiK25ForConditionalGeneration (kimi_k25) takes no LoRA (--enable-lora fails); use builtin"
+_SGLANG_KIMI = "sglang: LoRA on a kimi_k25 checkpoint is unverified (no test runs SGLang's loader on one); use builtin"
+ENGINE_REFUSED_FAMILIES = {
+    "vllm": {"kimi_k25": _VLLM_KIMI},
+    "sglang": {vlm: _SGLANG_VLM.format(vlm, vlm) for vlm in ("qwen3_5_moe", "qwen3_5")} | {"kimi_k25": _SGLANG_KIMI},
+}
 
 # Target modules an engine loads LoRA for on a family but does not apply on every token. vLLM's MLAAttention decodes
 # with W_UK_T / W_UV split off kv_b_proj's base weight at load and calls kv_b_proj (its LoRA) only in prefill, yet its
@@ -213,8 +222,11 @@ def expert_loras(base_config, adapter_config: dict) -> list[ExpertLora]:
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM
 
-        with torch.device("meta"):
-            skeleton = get_peft_model(AutoModelForCausalLM.from_config(base_config), peft_lora_config(adapter_config))
+        from mint.models.specs import causal_lm_config
+
+        with torch.device("meta"):  # a VLM checkpoint's config: its text model's, the model Mint trains
+            text_model = AutoModelForCausalLM.from_config(causal_lm_config(base_config))
+            skeleton = get_peft_model(text_model, peft_lora_config(adapter_config))
         found = tuple(
             ExpertLora(name, module.parameter_name, int(module.num_experts))
             for name, module in skeleton.named_modules()
@@ -461,17 +473,19 @@ def checkpoint_bytes(path: str | Path) -> int:
 
 
 def lora_size(model_config, rank: int, target_modules: list[str], target_experts: bool = True) -> dict[str, int]:
-    """Parameter counts of the base and of its LoRA, from a meta-device skeleton wrapped by PEFT (no weights, so a
-    30B config costs seconds). Used to size revisions against merged checkpoints for models we cannot load here."""
+    """Parameter counts of the base (a VLM checkpoint's text model: what Mint trains) and of its LoRA, from a
+    meta-device skeleton wrapped by PEFT (no weights, so a 30B config costs seconds). Used to size revisions against
+    merged checkpoints for models we cannot load here."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     from mint.config import LoraConfig
     from mint.models.lora import peft_config
+    from mint.models.specs import causal_lm_config
 
     lora = LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=list(target_modules), target_experts=target_experts)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = AutoModelForCausalLM.from_config(causal_lm_config(model_config))  # a VLM's: its text model
         base = sum(p.numel() for p in model.parameters())
         peft_model = get_peft_model(model, peft_config(lora, model_config))
     adapter = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)

@@ -35,6 +35,14 @@ Route convention (R3)
     the positions a learner feeds (prompt + response[:-1]) to score the response. Routes use
     `ExpertLayout.route_dtype` (uint8 while <= 256 experts); they are None for a dense model.
 
+Indexer convention (DSA, with `record_indexer=True`)
+    Row j of `indexer_R_I_K` is, like route row j, the forward that produced token j (the query at absolute position
+    P-1+j): per indexer layer (those whose self_attn.indexer is set, in model order; a GLM-5 "shared" layer reuses
+    the previous one's), the K = config.index_topk keys its lightning indexer selected, as ABSOLUTE positions
+    0..P-1+j sorted ascending (`row.sort().values`), with -1 in the slots HF's topk spent on a left pad column or that
+    do not exist (fewer than K keys); the -1s sort first. Recorded by forward hooks (mint/rollout/_indexer.py) during
+    the call only; without `record_indexer` the field is None and nothing is hooked.
+
 Stopping
     A row stops at the first eos id (from the engine) or stop id (from SamplingParams); that token IS kept as the last
     token, because the learner must train the model to emit it. A finished row keeps being fed while any row of its
@@ -66,6 +74,7 @@ from longstraw.scoring import token_logprobs
 from mint.errors import ConfigError, MintError
 from mint.models.specs import moe_layout
 from mint.rollout._cache import KVSlab
+from mint.rollout._indexer import IndexerRecorder, checked_indexers
 from mint.rollout._sampling import group_seed, sample_groups
 
 # Padded prompt tokens per prefill forward: bounds the prefill's activations and temporary K/V (a 16k-token prompt
@@ -119,6 +128,7 @@ class Completion:
     logprobs_R: torch.Tensor  # [R] float32; log softmax(logits / T) at tokens_R (T = 1 for greedy)
     routes_R_L_K: torch.Tensor | None  # [R, L, k] route_dtype; row j = routing of the forward that produced token j
     finish_reason: str  # "stop" | "length"
+    indexer_R_I_K: torch.Tensor | None = None  # [R, I, K] int32 absolute key positions, -1 = none (Indexer convention)
 
 
 @dataclass
@@ -164,12 +174,15 @@ class RolloutEngine:
         vocab_limit: int | None = None,
         prefill_tokens: int = PREFILL_TOKENS,
         max_batch_tokens: int = MAX_BATCH_TOKENS,
+        record_indexer: bool = False,
     ):
         """vocab_limit: ids >= it are never sampled nor scored (a padded head: real Qwen checkpoints have 151,936
         rows for 151,669 tokens); logits are cut to [:vocab_limit] before sampling and scoring, and the learner
         scores with the same cut (mint.models.specs.usable_vocab).
         prefill_tokens: most padded prompt tokens per prefill forward (a longer prompt is prefilled alone).
-        max_batch_tokens: most KV slab slots (rows x columns) per decode batch (one group over it decodes alone)."""
+        max_batch_tokens: most KV slab slots (rows x columns) per decode batch (one group over it decodes alone).
+        record_indexer: record each DSA indexer's selections per completion (Indexer convention); MintError if the
+        model has no indexer."""
         for name, value in (("prefill_tokens", prefill_tokens), ("max_batch_tokens", max_batch_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"rollout: {name} must be an int >= 1, got {value!r}")
@@ -180,6 +193,7 @@ class RolloutEngine:
         self.max_batch_tokens = max_batch_tokens
         self.layout = moe_layout(model.config)
         self.device = next(model.parameters()).device
+        self.indexers = checked_indexers(model) if record_indexer else []
         if self.layout is not None:
             num_routers = len(find_routers(model))
             if num_routers != self.layout.num_layers:
@@ -244,9 +258,12 @@ class RolloutEngine:
         source_B = torch.tensor(prompt_of_group, device=self.device).repeat_interleave(group_size)
         lengths_D = torch.tensor([p.numel() for p in unique_D], device=self.device)
 
-        with torch.inference_mode(), self._recording() as recorder:
+        indexer = None
+        if self.indexers:
+            indexer = IndexerRecorder(self.indexers, self.model.config.index_topk, source_B, params.max_tokens)
+        with torch.inference_mode(), self._recording() as recorder, indexer or nullcontext():
             cache = KVSlab(self.model.config, rows=source_B.numel(), capacity=width + params.max_tokens - 1)
-            prefilled = self._prefill(unique_D, width, source_B, cache, recorder)
+            prefilled = self._prefill(unique_D, width, source_B, cache, recorder, indexer)
             first_routes_B_L_K = None if prefilled.routes_D_L_K is None else prefilled.routes_D_L_K[source_B]
             decoded = self._decode(
                 cache,
@@ -257,8 +274,9 @@ class RolloutEngine:
                 list(generators),
                 group_size,
                 recorder,
+                indexer,
             )
-        completions = self._completions(decoded)
+        completions = self._completions(decoded, None if indexer is None else indexer.selections().cpu())
         groups = []
         for index, (prompt_P, d) in enumerate(zip(prompts_P, prompt_of_group, strict=True)):
             routes = prefilled.prompt_routes[d]
@@ -299,6 +317,7 @@ class RolloutEngine:
         source_B: torch.Tensor,
         cache: KVSlab,
         recorder: RouteRecorder | None,
+        indexer: IndexerRecorder | None = None,
     ) -> _Prefilled:
         """Run each distinct prompt [P_d] through the model once and copy its K/V into the slab rows that sample it.
 
@@ -324,6 +343,8 @@ class RolloutEngine:
                 ids_S_W.to(self.device), prefill, recorder, mask_S_W, positions_S_W
             )
             chunk_D = torch.tensor(chunk, device=self.device)
+            if indexer is not None:
+                indexer.prefill(chunk_D, pad_S, num_prompts)
             if prefilled.logits_D_V is None:
                 prefilled.logits_D_V = logits_S_V.new_empty(num_prompts, logits_S_V.shape[-1])
             prefilled.logits_D_V[chunk_D] = logits_S_V
@@ -353,6 +374,7 @@ class RolloutEngine:
         generators: list[torch.Generator],
         group_size: int,
         recorder: RouteRecorder | None,
+        indexer: IndexerRecorder | None = None,
     ) -> _Decoded:
         """Sample up to N = max_tokens tokens for B rows (groups of `group_size`, group-major) held by `cache`.
 
@@ -409,6 +431,8 @@ class RolloutEngine:
             mask_R_T = None if mask_R_C is None else mask_R_C[:, :columns]
             logits_R_V, routes_R_1_L_K = self._forward(next_R[:, None], cache, recorder, mask_R_T, positions_R_1)
             routes_R_L_K = None if routes_R_1_L_K is None else routes_R_1_L_K[:, 0]
+            if indexer is not None:
+                indexer.decode(active_R, step + 1, pad_R)
 
         return _Decoded(tokens_B_N, logprobs_B_N, routes_B_N_L_K, lengths_B, done_B)
 
@@ -416,7 +440,7 @@ class RolloutEngine:
         # .clone() after .cpu(): on CPU, .cpu() is a no-op and the slice would share (and pickle) the whole buffer.
         return routes_S_L_K.to(self.layout.route_dtype).cpu().clone()
 
-    def _completions(self, decoded: _Decoded) -> list[Completion]:
+    def _completions(self, decoded: _Decoded, indexer_B_N_I_K: torch.Tensor | None = None) -> list[Completion]:
         tokens_B_N = decoded.tokens_B_N.cpu()
         logprobs_B_N = decoded.logprobs_B_N.cpu()
         routes_B_N_L_K = None if decoded.routes_B_N_L_K is None else decoded.routes_B_N_L_K.cpu()
@@ -430,6 +454,7 @@ class RolloutEngine:
                     logprobs_R=logprobs_B_N[row, :length].clone(),
                     routes_R_L_K=None if routes_B_N_L_K is None else routes_B_N_L_K[row, :length].clone(),
                     finish_reason="stop" if stopped else "length",
+                    indexer_R_I_K=None if indexer_B_N_I_K is None else indexer_B_N_I_K[row, :length].clone(),
                 )
             )
         return completions

@@ -74,8 +74,8 @@ def preflight(config: Config) -> Preflight:
 
     Order: the engines' launch line, catalog.path, a local model directory, the reward's import, the dataset and the
     eval set, one reward call; then (after the heavy imports) fp16 on a CPU learner, a tiny or hub model, the
-    tokenizer, the stop tokens, expert parallel against the base's experts, an explicit engines.adapter_layout, and
-    the length of every training and eval prompt. Raises
+    tokenizer, the stop tokens, expert parallel against the base's experts, R3's routers, the base and adapter layout
+    a vllm/sglang engine is handed, and the length of every training and eval prompt. Raises
     ConfigError (one line, naming the key) on the first problem. Starts nothing and writes nothing: no Ray, no run
     directory, no tiny base build (a tiny base not yet cached is checked with its tokenizer and config, built in
     memory).
@@ -106,8 +106,9 @@ def preflight(config: Config) -> Preflight:
         check_expert_parallel(config, _model_config(model))
     if config.grpo.r3:
         check_route_replay(_model_config(model))
-    # auto never fails (it picks what the engine reads); an explicit layout is checked as the rollout actor will.
-    if config.rollout.backend != "builtin" and config.engines.adapter_layout != "auto":
+    # As the rollout actor will: auto too, since an engine refuses some bases (vLLM on kimi_k25) and some targets
+    # (kv_b_proj on MLA in vLLM) whatever the layout.
+    if config.rollout.backend != "builtin":
         model_config = _model_config(model)
         # The meta-device skeleton the layout is read off warns (a transformers FutureWarning): a second stderr line.
         with warnings.catch_warnings(), _quiet("transformers"), _quiet("peft"):
@@ -178,9 +179,12 @@ def check_expert_parallel(config: Config, model_config) -> None:
 
 def engine_adapter_layout(config: Config, model_config, adapter_config: dict) -> str:
     """The adapter layout (peft or per-expert) a vllm/sglang rollout actor writes for its engines
-    (`mint.hub.engine_layout` of engines.adapter_layout); ConfigError when the engine cannot read the one asked for."""
-    from mint.hub import engine_layout
+    (`mint.hub.engine_layout` of engines.adapter_layout); ConfigError when the engine cannot read the one asked for,
+    or takes no LoRA on the base at all (`ENGINE_REFUSED_FAMILIES`: then the key is rollout.backend)."""
+    from mint.hub.export import ENGINE_REFUSED_FAMILIES, engine_layout
 
+    if refused := ENGINE_REFUSED_FAMILIES.get(config.rollout.backend, {}).get(getattr(model_config, "model_type", "")):
+        raise ConfigError(f"rollout.backend: {refused}")
     try:
         return engine_layout(config.engines.adapter_layout, adapter_config, model_config, config.rollout.backend)
     except MintError as err:
@@ -196,13 +200,13 @@ def check_route_replay(model_config) -> None:
 
     from longstraw.errors import LongStrawError
     from longstraw.routing import check_replayable, find_routers
-    from mint.models.specs import moe_layout
+    from mint.models.specs import causal_lm_config, moe_layout
 
     if moe_layout(model_config) is None:
         return
     with torch.device("meta"), warnings.catch_warnings(), _quiet("transformers"):
         warnings.simplefilter("ignore")
-        skeleton = AutoModelForCausalLM.from_config(model_config)
+        skeleton = AutoModelForCausalLM.from_config(causal_lm_config(model_config))  # a VLM's: its text model
     try:
         check_replayable(find_routers(skeleton))
     except LongStrawError as err:
