@@ -54,6 +54,8 @@ class TrustCounts:
     out_of_route: int = 0  # mappable tokens whose learner-native top-k set differs from the rollout's
     routed: int = 0  # mappable tokens that were compared
     mismatch_kl_sum: float = 0.0  # k3(pi_rollout || pi_learner) summed over kept tokens
+    indexer_replayed: int = 0  # DSA indexer replay: response query x indexer layer pairs replayed
+    indexer_mismatched: int = 0  # of those, pairs whose learner-native selection differed from the rollout's
 
     def add(self, other: TrustCounts) -> None:
         self.tokens += other.tokens
@@ -63,6 +65,8 @@ class TrustCounts:
         self.out_of_route += other.out_of_route
         self.routed += other.routed
         self.mismatch_kl_sum += other.mismatch_kl_sum
+        self.indexer_replayed += other.indexer_replayed
+        self.indexer_mismatched += other.indexer_mismatched
 
     def metrics(self) -> dict[str, float]:
         out = {
@@ -71,6 +75,8 @@ class TrustCounts:
             "out_of_route_ratio": self.out_of_route / self.routed if self.routed else float("nan"),
             "mismatch_kl": self.mismatch_kl_sum / max(self.kept, 1),
         }
+        if self.indexer_replayed:  # only with DSA indexer replay on
+            out["mismatch_indexer_ratio"] = self.indexer_mismatched / self.indexer_replayed
         out.update({f"masked_{k}": float(v) for k, v in self.masked.items()})
         return out
 

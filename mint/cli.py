@@ -136,6 +136,7 @@ def _plan(args) -> int:
         expert_parallel=args.expert_parallel,
         context_parallel=args.context_parallel,
         dtype_bytes=4 if config.model.dtype == "float32" else 2,
+        indexer_replay=config.grpo.indexer_replay,
     )
     result = make_plan(shape(key), key, job, parse_bytes(args.gpu_memory))
     print(result.table())

@@ -200,6 +200,12 @@ class GrpoConfig:
         "Rollout routing replay: the learner reuses the expert ids the rollout chose; tokens "
         "whose route is missing or unmappable get weight 0 (counted by reason).",
     )
+    indexer_replay: bool = knob(
+        False,
+        "DSA indexer replay (DeepSeek-V3.2, GLM-5; built-in rollout engine): the rollout records each response "
+        "token's selected keys per indexer layer and the learner attends to them (index_topk int32 per token and "
+        "layer: mint plan states the bytes); the step counts where the learner's own selection differed.",
+    )
     icepop: bool = knob(
         True, "IcePop: tokens whose learner/rollout probability ratio leaves [icepop_alpha, icepop_beta] get weight 0."
     )

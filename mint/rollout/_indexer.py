@@ -42,7 +42,7 @@ def absolute_selection(columns_B_I_K: torch.Tensor, pad_B: torch.Tensor, top_k: 
     """Key columns [B, I, K_hf] of each row's last query -> absolute positions [B, I, top_k] int32, sorted ascending.
 
     positions = columns - pad_B (pad columns, negative after the shift, become -1); slots past K_hf are -1."""
-    positions = columns_B_I_K.long() - 0 * pad_B[:, None, None].long()
+    positions = columns_B_I_K.long() - pad_B[:, None, None].long()
     positions = positions.clamp(min=-1)
     missing = top_k - positions.shape[-1]
     if missing > 0:

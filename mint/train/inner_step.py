@@ -48,6 +48,8 @@ class GroupBatch:
     # R3: routes recorded by the rollout engine (None for a dense model or when the record is missing).
     prompt_routes_P1_L_K: torch.Tensor | None = None  # prompt positions 0..P-2
     routes: list[torch.Tensor | None] | None = None  # G x [R_i, L, k]; row j = the position that produced token j
+    # DSA indexer replay: the rollout's selections, G x [R_i, indexer layers, index_topk] (None when not recorded).
+    indexer: list[torch.Tensor | None] | None = None
 
     @property
     def lengths(self) -> list[int]:
@@ -326,6 +328,7 @@ def longstraw_group_step(
     def backward(loss: torch.Tensor, final: bool, carries_scale: bool = False) -> None:
         ctx.backward(loss, boundary=last and final, carries_scale=carries_scale)
 
+    indexer = list(group.indexer) if ctx.config.grpo.indexer_replay and group.indexer is not None else None
     adapter = None
     if ctx.cp_group is not None:  # context parallel: this rank keeps its pages of the prompt only
         adapter = cp_adapter_for(ctx.engine.module, ctx.cp_group)
@@ -336,6 +339,8 @@ def longstraw_group_step(
         adapter = LockstepAdapter(adapter or adapter_for(ctx.engine.module), ctx.lockstep)
         extra = pad_responses(ctx.lockstep, responses)
         responses += [responses[0][:1]] * extra
+        if indexer is not None:
+            indexer += [None] * extra  # stand-ins keep the learner's own selection
         if sequence is not None and extra:
             # A stand-in is response 0's first position again, so it replays that position's route (R3 keeps
             # every token on its recorded experts).
@@ -371,7 +376,10 @@ def longstraw_group_step(
         capture=capture,
         backward=backward,
         routes=sequence,
+        indexer=indexer,
     )
+    objective.trust.indexer_replayed += metrics.indexer_replayed
+    objective.trust.indexer_mismatched += metrics.indexer_mismatched
     if metrics.native_routes is not None:  # what the routers picked on their own, response by response
         for i in range(len(logp)):
             objective.count_out_of_route(i, metrics.native_routes[i])

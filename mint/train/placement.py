@@ -329,6 +329,7 @@ def memory_plan(config: Config, prompt_len: int, gpu_memory: str) -> str:
         expert_parallel=config.learner.expert_parallel,
         context_parallel=config.longstraw.context_parallel,
         dtype_bytes=4 if config.model.dtype == "float32" else 2,
+        indexer_replay=config.grpo.indexer_replay,
     )
     plan = make_plan(shape(key), key, job, parse_bytes(gpu_memory))
     return f"memory plan per learner GPU ({gpu_memory}, P = the longest checked prompt):\n{plan.table()}"

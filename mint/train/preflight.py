@@ -163,9 +163,12 @@ def check_prompt_lengths(
 def check_expert_parallel(config: Config, model_config) -> None:
     """What learner.expert_parallel > 1 needs of the base and the inner step: routed experts that EP divides, and
     not LongStraw's resident mode. The learner checks it again when it loads the base."""
-    from mint.models.specs import moe_layout
+    from mint.models.specs import VLM_TEXT_KEY_MAPPINGS, moe_layout
 
     ep = config.learner.expert_parallel
+    if (model_type := getattr(model_config, "model_type", "")) in VLM_TEXT_KEY_MAPPINGS:
+        # mint.models.expert_parallel builds its skeleton from the checkpoint's config and reads its keys unrenamed
+        raise ConfigError(f"learner.expert_parallel: the expert-parallel loader does not read {model_type} yet; use 1")
     layout = moe_layout(model_config)
     if layout is None or layout.num_experts % ep:
         what = f"{layout.num_experts} routed experts" if layout else "no routed experts"

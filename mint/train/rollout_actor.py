@@ -115,7 +115,9 @@ class RolloutActor:
         if self.tokenizer.eos_token_id is not None:
             eos_ids.append(self.tokenizer.eos_token_id)
         limit = usable_vocab(len(self.tokenizer), self.model.config)
-        self.engine = RolloutEngine(self.model, sorted(set(eos_ids)), vocab_limit=limit)
+        self.engine = RolloutEngine(
+            self.model, sorted(set(eos_ids)), vocab_limit=limit, record_indexer=config.grpo.indexer_replay
+        )
         self.backend = BuiltinBackend(self.engine)
         return self.model.config.max_position_embeddings
 

@@ -199,6 +199,7 @@ def to_batches(results: list[GroupResult], adv_B_G: torch.Tensor) -> list[GroupB
             adv_G=adv_B_G[b],
             prompt_routes_P1_L_K=res.rollout.prompt_routes_P1_L_K,
             routes=[c.routes_R_L_K for c in res.rollout.completions],
+            indexer=[c.indexer_R_I_K for c in res.rollout.completions],
         )
         for b, res in enumerate(results)
     ]
