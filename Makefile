@@ -55,6 +55,7 @@ bench: setup
 	$(BIN)/python bench/longstraw_memory.py --prompt-len 4096 --response-len 128 --flat-groups ""
 	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/real_shapes.py
+	$(BIN)/python bench/sparse_latent.py
 	$(BIN)/python -m pip install -q trl
 	$(BIN)/python bench/peer_trl.py
 

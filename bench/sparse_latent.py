@@ -16,7 +16,8 @@ conversion, not the op), one thread by default (--threads; the dev box has 2 cor
 Each step is forward + backward in exact mode: the prefix gradient is added into one fp32 [P, D_k] dpage_acc buffer,
 q and the own pages get theirs through autograd. Per P it reports:
     *_s             median seconds of a step (dense and sparse interleaved, one warm-up each)
-    sparse_over_dense_time  the measured ratio
+    sparse_over_dense_time  the ratio of the medians; *_paired the median of the per-repeat ratios (each repeat runs
+                    the two ops back to back, so a load spike from another job hits both of a pair)
     flop_ratio      K / (P + R): the keys per query the sparse op scores over those the dense op scores (it scores the
                     whole own block and masks); the time ratio a compute-bound sparse op would reach
     measured_over_flop      how far the measured ratio is from that; *_gflops the rate each op achieved, counting
@@ -136,6 +137,7 @@ def run_prefix(d: dict, P: int, reps: int, gen: torch.Generator) -> dict:
     median = {op: statistics.median(v) for op, v in seconds.items()}
     flop = {op: 2 * H * R * n * (4 * Dk + 3 * Dv) for op, n in (("dense", P + R), ("sparse", K))}
     ratio, flop_ratio = median["sparse"] / median["dense"], K / (P + R)
+    paired = [sparse / dense for sparse, dense in zip(seconds["sparse"], seconds["dense"], strict=True)]
     return {
         "P": P,
         "dense_s": round(median["dense"], 4),
@@ -143,6 +145,7 @@ def run_prefix(d: dict, P: int, reps: int, gen: torch.Generator) -> dict:
         "dense_s_all": [round(t, 4) for t in seconds["dense"]],
         "sparse_s_all": [round(t, 4) for t in seconds["sparse"]],
         "sparse_over_dense_time": round(ratio, 4),
+        "sparse_over_dense_time_paired": round(statistics.median(paired), 4),
         "flop_ratio": round(flop_ratio, 4),
         "measured_over_flop": round(ratio / flop_ratio, 3),
         "dense_gflops": round(flop["dense"] / median["dense"] / 1e9, 2),

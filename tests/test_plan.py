@@ -338,3 +338,16 @@ def test_mint_plan_on_the_glm47_flash_recipe_fits_and_shows_every_mla_term():
     ):
         assert term in proc.stdout, term
     assert "indexer" not in proc.stdout  # GLM-4.7-Flash has no DSA indexer
+
+
+@pytest.mark.parametrize("replay", ["true", "false"])
+def test_mint_plan_counts_the_indexer_replay_records_the_recipe_asks_for(replay):
+    """grpo.indexer_replay in the recipe (here an override) decides whether mint plan counts the records."""
+    cmd = [sys.executable, "-m", "mint.cli", "plan", "recipes/glm47_flash_8xh20.toml", "model.path=zai-org/GLM-5"]
+    args = ["--gpus", "32", "--expert-parallel", "32", "--gpu-memory", "96GB", "--prompt-len", "4096"]
+    proc = subprocess.run(
+        [*cmd, f"grpo.indexer_replay={replay}", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode in (0, 1), proc.stderr  # 1: does not fit (the bf16 base of GLM-5 on 32 GPUs)
+    line = next(line for line in proc.stdout.splitlines() if "indexer replay record" in line)
+    assert ("(on)" in line) == (replay == "true"), line
