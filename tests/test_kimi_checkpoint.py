@@ -298,8 +298,8 @@ def _recipe(path: str, tmp_path: Path) -> Path:
 
 def test_a_recipe_on_a_kimi_checkpoint_passes_preflight(kimi_base, tmp_path):
     """model.path a Kimi-K2.5 directory, with R3: preflight reads the text model's sizes, experts and routers from the
-    VLM config and passes, writing nothing (`mint train` on it ran a step, logprobs of rollout and learner within
-    1e-6). Refused in one line naming the key, where the run would fail after Ray started: a vllm or sglang backend
+    VLM config and passes, writing nothing (the next test runs the recipe). Refused in one line naming the key,
+    where the run would fail after Ray started: a vllm or sglang backend
     (auto layout included: the rollout actor refused it), and expert parallel (its loader raised transformers'
     ValueError on the VLM config)."""
     recipe = _recipe(kimi_base, tmp_path)
@@ -324,6 +324,20 @@ def test_a_recipe_on_a_kimi_checkpoint_passes_preflight(kimi_base, tmp_path):
         with pytest.raises(ConfigError, match=message) as err:
             preflight(load_config(recipe, overrides))
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_mint_train_runs_on_a_kimi_checkpoint(kimi_base, tmp_path):
+    """The recipe above trained for 2 steps through real Ray and DeepSpeed: the built-in engine samples from the
+    text tower, the learner (LongStraw, R3) scores the same tokens to fp32 noise, and the run finishes."""
+    from mint.train.driver import train
+
+    summary = train(load_config(_recipe(kimi_base, tmp_path), ["grpo.steps=2", "logging.progress=false"]))
+    lines = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:
+        assert m["logp_diff_max"] < 1e-4, m
+        assert m["masked_route_missing"] == 0, m  # every response token replayed its recorded route
 
 
 VLLM_LORA_PROBE = """

@@ -117,6 +117,18 @@ CASES = [
         "lora.target_modules",
         "SGLang's --lora-target-modules does not take 'c_attn'",
     ),
+    Case(
+        "indexer_replay_on_a_base_without_dsa",
+        ("grpo.indexer_replay=true",),
+        "grpo.indexer_replay",
+        "qwen3_moe has no DSA indexer to replay",
+    ),
+    Case(
+        "indexer_replay_with_the_naive_inner_step",
+        ("model.path=tiny:glm_moe_dsa", "grpo.indexer_replay=true", "learner.inner_step=naive"),
+        "grpo.indexer_replay",
+        "only the longstraw inner step replays",
+    ),
     Case("recipe_is_binary", (), "", "not UTF-8 text", "config", "binary"),
     Case("recipe_is_a_directory", (), "", "cannot read the recipe", "config", "directory"),
     Case("recipe_is_empty", (), "", "the recipe is empty", "config", "empty"),

@@ -320,5 +320,7 @@ def tokenizer_size(model_path: str) -> int | None:
 
 def usable_vocab(tokenizer_size: int | None, config: PretrainedConfig) -> int | None:
     """The ids a rollout may sample and the learner scores: the tokenizer's, when the head has more rows (padding),
-    else None (all of them). Preflight refuses a tokenizer with ids the head cannot produce."""
-    return tokenizer_size if tokenizer_size is not None and tokenizer_size < config.vocab_size else None
+    else None (all of them). Preflight refuses a tokenizer with ids the head cannot produce. `config` may be a
+    vision-language checkpoint's: the head is its text model's."""
+    vocab = text_config(config).vocab_size
+    return tokenizer_size if tokenizer_size is not None and tokenizer_size < vocab else None

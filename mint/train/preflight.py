@@ -74,7 +74,8 @@ def preflight(config: Config) -> Preflight:
 
     Order: the engines' launch line, catalog.path, a local model directory, the reward's import, the dataset and the
     eval set, one reward call; then (after the heavy imports) fp16 on a CPU learner, a tiny or hub model, the
-    tokenizer, the stop tokens, expert parallel against the base's experts, R3's routers, the base and adapter layout
+    tokenizer, the stop tokens, expert parallel against the base's experts, R3's routers, DSA indexer replay's base
+    and engines, the base and adapter layout
     a vllm/sglang engine is handed, and the length of every training and eval prompt. Raises
     ConfigError (one line, naming the key) on the first problem. Starts nothing and writes nothing: no Ray, no run
     directory, no tiny base build (a tiny base not yet cached is checked with its tokenizer and config, built in
@@ -106,6 +107,8 @@ def preflight(config: Config) -> Preflight:
         check_expert_parallel(config, _model_config(model))
     if config.grpo.r3:
         check_route_replay(_model_config(model))
+    if config.grpo.indexer_replay:
+        check_indexer_replay(config, _model_config(model))
     # As the rollout actor will: auto too, since an engine refuses some bases (vLLM on kimi_k25) and some targets
     # (kv_b_proj on MLA in vLLM) whatever the layout.
     if config.rollout.backend != "builtin":
@@ -192,6 +195,23 @@ def engine_adapter_layout(config: Config, model_config, adapter_config: dict) ->
         return engine_layout(config.engines.adapter_layout, adapter_config, model_config, config.rollout.backend)
     except MintError as err:
         raise ConfigError(f"engines.adapter_layout: {err}") from None
+
+
+def check_indexer_replay(config: Config, model_config) -> None:
+    """grpo.indexer_replay needs a DSA base (an index_topk), the built-in rollout engine (the one that records the
+    indexer's selections) and LongStraw (the inner step that replays them)."""
+    from mint.models.specs import text_config
+
+    if getattr(text_config(model_config), "index_topk", None) is None:
+        what = getattr(model_config, "model_type", "this base")
+        raise ConfigError(f"grpo.indexer_replay: {what} has no DSA indexer to replay; set it false")
+    if config.rollout.backend != "builtin":
+        raise ConfigError(
+            f"grpo.indexer_replay: the {config.rollout.backend} backend returns no indexer selections; only the "
+            "builtin engine records them"
+        )
+    if config.learner.inner_step != "longstraw":
+        raise ConfigError("grpo.indexer_replay: only the longstraw inner step replays indexer selections")
 
 
 def check_route_replay(model_config) -> None:
