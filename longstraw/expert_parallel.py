@@ -248,6 +248,7 @@ class LockstepAdapter:
     checkpoint_min_tokens = _forwarded("checkpoint_min_tokens")
     vocab_limit = _forwarded("vocab_limit")
     on_positions = _forwarded("on_positions")
+    index_replay = _forwarded("index_replay")
     # One response per replay forward: ranks whose micro-batches differed would issue different MoE collectives.
     batched_replay = False
 
@@ -256,6 +257,11 @@ class LockstepAdapter:
         self.lockstep = lockstep
         # A capture / prompt chunk runs every layer but the last one's MLP (QwenAdapter._layers with full=False).
         self.chunk_experts = lockstep.layers_below(inner.num_layers - 1)
+
+    @property
+    def index_slot(self) -> dict:
+        """A DSA adapter's indexer layers (AttributeError for another adapter, as on the inner one)."""
+        return self.inner.index_slot
 
     def with_options(self, **options) -> LockstepAdapter:
         """The same lockstep over a copy of the inner adapter with `options` set (see Adapter.with_options)."""

@@ -39,7 +39,7 @@ def _path(family: str, directory: str, **overrides) -> str:
 
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(
-        tiny_config(family, 97, index_topk=TOPK, initializer_range=0.05, **overrides)
+        tiny_config(family, 97, **{"index_topk": TOPK, "initializer_range": 0.05, **overrides})
     )
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():

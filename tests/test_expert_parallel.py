@@ -289,16 +289,21 @@ def test_ep_model_logits_and_lora_gradients_equal_one_rank(tmp_path, tiny_path, 
     _assert_ep_equals_one_rank(tmp_path, tiny_path, adapter_state, world, replay_routes)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe_lite", "glm_moe_dsa"])
 def test_ep_on_a_hybrid_or_mla_base_equals_one_rank(tmp_path, family):
     """The same on Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet layers, a sigmoid-gated shared expert beside the
-    routed ones) and on DeepSeek-V3 and GLM-4.7-Flash (MLA, a dense first layer, V3-style routing), EP=2 with the
-    R3 routes replayed."""
+    routed ones), on DeepSeek-V3 and GLM-4.7-Flash (MLA, a dense first layer, V3-style routing), and on GLM-5 with
+    index_topk 4, below the batches' lengths (DSA attends to a selection), EP=2 with the R3 routes replayed."""
     from conftest import build_random_tiny
 
     from mint.models.lora import lora_state
 
-    path = build_random_tiny(family, str(tmp_path / "base"))
+    if family == "glm_moe_dsa":
+        from test_dsa import _path
+
+        path = _path(family, str(tmp_path / "base"), index_topk=4)
+    else:
+        path = build_random_tiny(family, str(tmp_path / "base"))
     gen = torch.Generator().manual_seed(3)
     state = {k: torch.randn(v.shape, generator=gen) * 0.05 if "lora_B" in k else v
              for k, v in sorted(lora_state(_model(path)).items())}  # fmt: skip

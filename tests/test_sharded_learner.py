@@ -190,14 +190,22 @@ def _learner_rank(rank, world, port, path, ep, init, assigned, observe):
 # building the tiny model); test-fast keeps the 2-rank parity of the sharded layers themselves in
 # tests/test_expert_parallel.py and tests/test_context_parallel.py, and this file's one-line config refusals.
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "world"), [("qwen3_moe", 2), ("qwen2_moe", 2), ("qwen3_moe", 4)])
+@pytest.mark.parametrize(
+    ("family", "world"), [("qwen3_moe", 2), ("qwen2_moe", 2), ("qwen3_moe", 4), ("glm_moe_dsa", 2)]
+)
 def test_ep2_learner_equals_the_single_rank_learner(tmp_path, family, world):
     """EP=2 on 2 ranks (and on 4: two EP groups that are data-parallel replicas, so the expert gradients reduce over
     the replicas and their optimizer state is split between them) against 1 rank running every group: naive, exact
-    (two chunkings) and detached steps, then one clipped optimizer step."""
+    (two chunkings) and detached steps, then one clipped optimizer step. GLM-5 with index_topk 4: every group runs
+    past it, so LongStraw's DSA selection and sparse attention run under the EP lockstep."""
     from conftest import build_random_tiny
 
-    path = build_random_tiny(family, str(tmp_path / family))
+    if family == "glm_moe_dsa":
+        from test_dsa import _path
+
+        path = _path(family, str(tmp_path / family), index_topk=4)
+    else:
+        path = build_random_tiny(family, str(tmp_path / family))
     init = _adapter_bytes(path)
     groups = _groups(experts=[0, 1, 2, 3], n=world)
     ep_results = run_learners(tmp_path, world, _learner_rank, path, 2, init, [[g] for g in groups], False)
