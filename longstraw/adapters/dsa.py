@@ -38,10 +38,11 @@ from longstraw.adapters.mla import LatentState, MlaAdapter
 from longstraw.adapters.qwen import KVPrefix
 
 FAMILIES = ("deepseek_v32", "glm_moe_dsa")
-# The indexer's RoPE layout per family: DeepSeek-V3.2's indexer rotates halves, GLM-5's interleaves (both unlike or
-# like their MLA attention, as transformers implements them).
+# The indexer's RoPE layout per family, as transformers implements them: DeepSeek-V3.2's indexer rotates halves
+# (its MLA attention interleaves), GLM-5's interleaves like its attention.
 _INDEXER_ROPE = {"deepseek_v32": "apply_rotary_pos_emb", "glm_moe_dsa": "apply_rotary_pos_emb_interleave"}
-# Index scores per block of queries: 2^22 fp32 = 16 MiB, whatever the prefix length.
+# Index scores [B, queries, heads, keys] per block of queries: about 2^22 fp32 (16 MiB), at least one query (64 heads
+# x 128k keys: 32 MiB).
 _SCORE_BLOCK_ELEMENTS = 1 << 22
 
 

@@ -68,12 +68,8 @@ PER_EXPERT_FAMILIES = ("qwen2_moe", "qwen3_moe", "glm4_moe", "qwen3_next", "qwen
 _PEFT_PREFIX = "base_model.model."
 
 # The layouts each engine reads expert LoRA in, per family (model_type); the first is what `auto` writes. Read off
-# the engines' own loaders (tests/test_vllm_lora_conformance.py runs vLLM's; docs/mint.md names the classes). vLLM: a
-# model class that leaves `is_3d_moe_weight` False gets the 2-D MoE LoRA wrapper, which takes per-expert keys
-# (experts.{e}.gate_proj, ...) and refuses the fused PEFT layout (unless the server runs --enable-mixed-moe-lora-format
-# and each load request says is_3d_lora_weight, which Mint's load call does not); one that sets it True (the qwen3_5_moe
-# VLM class; qwen3_vl_moe and gpt_oss, which Mint does not train yet) takes only the fused layout. SGLang's loader takes
-# per-expert keys for every FusedMoE (sglang/srt/lora/lora.py). `mint serve` fuses a per-expert directory back.
+# the engines' own loaders (tests/test_vllm_lora_conformance.py runs vLLM's): a vLLM class's `is_3d_moe_weight` picks
+# fused or per-expert, SGLang takes per-expert for every FusedMoE, `mint serve` fuses per-expert back (docs/mint.md).
 ENGINE_EXPERT_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm": {family: ("per-expert",) for family in PER_EXPERT_FAMILIES}
     | {family: ("peft",) for family in ("qwen3_5_moe", "qwen3_vl_moe", "gpt_oss")},
@@ -81,30 +77,21 @@ ENGINE_EXPERT_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
     "mint": {family: ("peft", "per-expert") for family in PER_EXPERT_FAMILIES},  # `mint serve`
 }
 
-# Families (the checkpoint's model_type) an engine is handed no adapter for at all, with the reason in one line. No
-# test runs SGLang's loader on a Qwen3.5 VLM checkpoint (Qwen3_5{Moe}ForConditionalGeneration there), so SGLang is not
-# handed one. Kimi-K2.5 (kimi_k25): vLLM's KimiK25ForConditionalGeneration does not implement SupportsLoRA, and its
-# server refuses --enable-lora for it at start ("does not support LoRA yet"; tests/test_kimi_checkpoint.py asks vLLM's
-# own class). SGLang gates LoRA on no class flag (its LoRA manager wraps modules by name), and no test runs its loader
-# on a Kimi checkpoint.
+# Families (the checkpoint's model_type) an engine is handed no adapter for at all, with the reason in one line; why
+# each is refused (vLLM's Kimi-K2.5 class takes no LoRA, SGLang's VLM loaders are unrun): docs/mint.md, "Export".
 _SGLANG_VLM = "sglang: LoRA on a {} VLM checkpoint is unchecked; use vllm, or serve the text checkpoint ({}_text)"
 _VLLM_KIMI = "vllm: its KimiK25ForConditionalGeneration (kimi_k25) takes no LoRA (--enable-lora fails); use builtin"
 _SGLANG_KIMI = "sglang: LoRA on a kimi_k25 checkpoint is unverified (no test runs SGLang's loader on one); use builtin"
-ENGINE_REFUSED_FAMILIES = {
-    "vllm": {"kimi_k25": _VLLM_KIMI},
-    "sglang": {vlm: _SGLANG_VLM.format(vlm, vlm) for vlm in ("qwen3_5_moe", "qwen3_5")} | {"kimi_k25": _SGLANG_KIMI},
-}
+ENGINE_REFUSED_FAMILIES = {"vllm": {"kimi_k25": _VLLM_KIMI}, "sglang": {"kimi_k25": _SGLANG_KIMI}}
+ENGINE_REFUSED_FAMILIES["sglang"] |= {vlm: _SGLANG_VLM.format(vlm, vlm) for vlm in ("qwen3_5_moe", "qwen3_5")}
 
-# Target modules an engine loads LoRA for on a family but does not apply on every token. vLLM's MLAAttention decodes
-# with W_UK_T / W_UV split off kv_b_proj's base weight at load and calls kv_b_proj (its LoRA) only in prefill, yet its
-# loader fills kv_b_proj's buffers: it would serve another model than the learner's. SGLang folds kv_b_proj's LoRA
-# into its absorbed path (sglang/srt/lora/deepseek_mla_correction.py) and is handed it.
+# Target modules an engine loads LoRA for on a family but does not apply on every token: vLLM's absorbed MLA decode
+# never calls kv_b_proj (its LoRA), though its loader fills the buffers; SGLang applies it (docs/mint.md, "Export").
 _VLLM_KV_B = "vllm drops kv_b_proj LoRA on {} in decode (absorbed MLA); drop it from lora.target_modules"
 ENGINE_REFUSED_MODULES = {"vllm": {mla: {"kv_b_proj": _VLLM_KV_B.format(mla)} for mla in MLA_FAMILIES}}
 
-# vLLM's Qwen3_5{Moe}ForConditionalGeneration has its LoRA modules under language_model.model.layers; its
-# hf_to_vllm_mapper (applied to LoRA keys after base_model.model. is dropped) maps the checkpoint's own names,
-# model.language_model.*, there, and Mint's text-model keys (model.layers.*) nowhere.
+# vLLM's Qwen3_5{Moe}ForConditionalGeneration maps the checkpoint's own names (model.language_model.*, after
+# base_model.model. is dropped) to its LoRA modules, and Mint's text-model keys (model.layers.*) nowhere.
 VLM_MODULE_PREFIX = "model.language_model."
 
 
@@ -225,8 +212,8 @@ def expert_loras(base_config, adapter_config: dict) -> list[ExpertLora]:
         from mint.models.specs import causal_lm_config
 
         with torch.device("meta"):  # a VLM checkpoint's config: its text model's, the model Mint trains
-            text_model = AutoModelForCausalLM.from_config(causal_lm_config(base_config))
-            skeleton = get_peft_model(text_model, peft_lora_config(adapter_config))
+            text = AutoModelForCausalLM.from_config(causal_lm_config(base_config))
+            skeleton = get_peft_model(text, peft_lora_config(adapter_config))
         found = tuple(
             ExpertLora(name, module.parameter_name, int(module.num_experts))
             for name, module in skeleton.named_modules()

@@ -187,7 +187,7 @@ def engine_adapter_layout(config: Config, model_config, adapter_config: dict) ->
     """The adapter layout (peft or per-expert) a vllm/sglang rollout actor writes for its engines
     (`mint.hub.engine_layout` of engines.adapter_layout); ConfigError when the engine cannot read the one asked for,
     or takes no LoRA on the base at all (`ENGINE_REFUSED_FAMILIES`: then the key is rollout.backend)."""
-    from mint.hub.export import ENGINE_REFUSED_FAMILIES, engine_layout
+    from mint.hub import ENGINE_REFUSED_FAMILIES, engine_layout
 
     if refused := ENGINE_REFUSED_FAMILIES.get(config.rollout.backend, {}).get(getattr(model_config, "model_type", "")):
         raise ConfigError(f"rollout.backend: {refused}")
