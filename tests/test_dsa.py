@@ -15,19 +15,17 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import load_fp32, lora_model, pop_lora_grads, update_inputs, update_objective
+from test_mla import TARGETS, TEMPERATURE, _hf_logp
 
 from longstraw.adapters import adapter_for
 from longstraw.adapters.dsa import DsaAdapter, DsaState
 from longstraw.engine import UpdateSpec, capture_prefix, grpo_update, score_response
 from longstraw.errors import LongStrawError
 from longstraw.indexer_replay import IndexerReplay
-from longstraw.scoring import token_logprobs
 
 FAMILIES = ["deepseek_v32", "glm_moe_dsa"]
 TOPK = 8
-TEMPERATURE = 0.9
 CHUNK = 7
-TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 
 
 def _path(family: str, directory: str, **overrides) -> str:
@@ -101,24 +99,6 @@ class Injected:
                 return out[None].to(torch.int32)
 
             indexer.forward = forward
-
-
-def _hf_logp(model, tokens_P, response_R, detach_prompt_pages=False):
-    handles = []
-    if detach_prompt_pages:
-        p = tokens_P.shape[0]
-
-        def hook(module, args, out):
-            return torch.cat([out[:, :p].detach(), out[:, p:]], dim=1)
-
-        for layer in model.get_base_model().model.layers:
-            handles.append(layer.self_attn.kv_a_proj_with_mqa.register_forward_hook(hook))
-    try:
-        logits = model(input_ids=torch.cat([tokens_P, response_R[:-1]])[None]).logits[0]
-    finally:
-        for h in handles:
-            h.remove()
-    return token_logprobs(logits[tokens_P.shape[0] - 1 :], response_R, TEMPERATURE)
 
 
 def test_the_prefix_state_keeps_indexer_pages_without_a_gradient_buffer(dsa_path):

@@ -58,11 +58,11 @@ def mla_path(request, tmp_path_factory) -> str:
 def _hf_logp(model, tokens_P, response_R, detach_prompt_pages=False):
     """Logprobs from one forward over prompt + response[:-1]; optionally with the prompt positions' latent and rope
     key (kv_a_proj_with_mqa's output) detached, LongStraw's detached mode for MLA."""
-    handles = []
+    handles, p = [], tokens_P.shape[0]
     if detach_prompt_pages:
 
         def hook(module, args, out):
-            return torch.cat([out[:, :P].detach(), out[:, P:]], dim=1)
+            return torch.cat([out[:, :p].detach(), out[:, p:]], dim=1)
 
         for layer in model.get_base_model().model.layers:
             handles.append(layer.self_attn.kv_a_proj_with_mqa.register_forward_hook(hook))
@@ -71,7 +71,7 @@ def _hf_logp(model, tokens_P, response_R, detach_prompt_pages=False):
     finally:
         for h in handles:
             h.remove()
-    return token_logprobs(logits[P - 1 :], response_R, TEMPERATURE)
+    return token_logprobs(logits[p - 1 :], response_R, TEMPERATURE)
 
 
 def _assert_grads_close(got, want):
