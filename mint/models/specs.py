@@ -267,6 +267,8 @@ VLM_TEXT_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5": "qwen3_5_t
 VLM_TEXT_KEY_MAPPINGS = {
     "kimi_k25": {r"^language_model\.": "", r"^model\.language_model\.": "model.", r"^model\.blocks\.": "model.layers."}
 }
+# The text models AutoModelForCausalLM gives for the other VLM checkpoints; their own checkpoints load strictly too.
+_MAPPED_TEXT_MODELS = {text for vlm, text in VLM_TEXT_MODEL_TYPES.items() if vlm not in VLM_TEXT_KEY_MAPPINGS}
 
 
 def vlm_text_model_type(config: PretrainedConfig) -> str | None:
@@ -295,7 +297,7 @@ def load_model(path: str, dtype: str = "float32") -> torch.nn.Module:
     text = dict(config=causal_lm_config(config), key_mapping=renames) if renames else {}
     model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], output_loading_info=True, **text)
     missing = sorted(info.get("missing_keys") or [])
-    if missing and (vlm or model.config.model_type in ("qwen3_5_moe_text", "qwen3_5_text")):
+    if missing and (vlm or model.config.model_type in _MAPPED_TEXT_MODELS):
         raise ConfigError(f"model.path: {path} lacks {len(missing)} weights of its text model, e.g. {missing[0]}")
     model.eval()
     for p in model.parameters():
