@@ -75,11 +75,10 @@ def preflight(config: Config) -> Preflight:
     Order: the engines' launch line, catalog.path, a local model directory, the reward's import, the dataset and the
     eval set, one reward call; then (after the heavy imports) fp16 on a CPU learner, a tiny or hub model, the
     tokenizer, the stop tokens, expert parallel against the base's experts, R3's routers, DSA indexer replay's base
-    and engines, the base and adapter layout
-    a vllm/sglang engine is handed, and the length of every training and eval prompt. Raises
-    ConfigError (one line, naming the key) on the first problem. Starts nothing and writes nothing: no Ray, no run
-    directory, no tiny base build (a tiny base not yet cached is checked with its tokenizer and config, built in
-    memory).
+    and engines, the base and adapter layout a vllm/sglang engine is handed, and the length of every training and
+    eval prompt. Raises ConfigError (one line, naming the key) on the first problem. Starts nothing and writes
+    nothing: no Ray, no run directory, no tiny base build (a tiny base not yet cached is checked with its tokenizer
+    and config, built in memory).
     """
     start = time.perf_counter()
     if config.engines.start:
