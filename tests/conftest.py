@@ -82,6 +82,19 @@ def lora_model(path: str, target_modules: list[str] | None = None) -> torch.nn.M
     return model
 
 
+def saved_bytes(fn) -> int:
+    """Bytes of the tensors autograd saves for backward while fn() runs."""
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(sizes)
+
+
 def assert_three_way(kernel, ref_same, ref_fp32, atol, rtol):
     """Kernel vs reference in the same dtype, and vs the fp32 reference, for every returned tensor."""
     assert kernel.keys() == ref_same.keys() == ref_fp32.keys()

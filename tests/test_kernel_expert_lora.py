@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_three_way, compile_for_hopper, run_interp_tests_in_subprocess
+from conftest import assert_three_way, compile_for_hopper, run_interp_tests_in_subprocess, saved_bytes
 
 from longstraw.kernels import expert_lora, expert_lora_reference
 
@@ -200,19 +200,6 @@ def test_reference_gradcheck_float64():
     ins = [v.detach().requires_grad_() for v in leaves.values()]
     fn = lambda x, A, B: expert_lora_reference(*views({"x": x, "A": A, "B": B}), offsets, SCALING)
     assert torch.autograd.gradcheck(fn, ins)
-
-
-def saved_bytes(fn) -> int:
-    """Bytes of the tensors autograd saves for backward while fn() runs."""
-    sizes = []
-
-    def pack(t):
-        sizes.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(sizes)
 
 
 @pytest.mark.parametrize("E,n_out,H", [(4, 40, 48), (16, 160, 192), (64, 320, 384)])

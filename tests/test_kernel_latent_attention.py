@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_three_way, compile_for_hopper, run_interp_tests_in_subprocess
+from conftest import assert_three_way, compile_for_hopper, run_interp_tests_in_subprocess, saved_bytes
 
 from longstraw.kernels import latent_prefix_attention, latent_prefix_attention_reference, prefix_attention
 
@@ -151,19 +151,6 @@ def test_reference_equals_prefix_attention_on_pages():
     backward_of(out[..., :32], lse)
     theirs = {"out": out[..., :32], "lse": lse, "dq": ins["q"].grad, "d_own": ins["own_pages"].grad}
     assert_three_way(ours, theirs | {"dpage_acc": (dk + dv)[0]}, theirs | {"dpage_acc": (dk + dv)[0]}, 1e-5, 1e-5)
-
-
-def saved_bytes(fn) -> int:
-    """Bytes of the tensors autograd saves for backward while fn() runs."""
-    sizes = []
-
-    def pack(t):
-        sizes.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(sizes)
 
 
 @pytest.mark.parametrize("mode", ["detached", "exact", "prefix-requires-grad"])

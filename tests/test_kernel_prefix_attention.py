@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_three_way, compile_for_hopper, run_interp_tests_in_subprocess
+from conftest import assert_three_way, compile_for_hopper, run_interp_tests_in_subprocess, saved_bytes
 
 from longstraw.kernels import prefix_attention, prefix_attention_reference
 
@@ -377,19 +377,6 @@ def test_reference_adapter_views_match_naive_formula(P, monkeypatch):
         outside = torch.ones_like(leaves[name], dtype=torch.bool)
         outside[1, :, :P] = False
         torch.testing.assert_close(ref[name][outside], leaves[name][outside], atol=0, rtol=0)
-
-
-def saved_bytes(fn) -> int:
-    """Bytes of the tensors autograd saves for backward while fn() runs."""
-    sizes = []
-
-    def pack(t):
-        sizes.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(sizes)
 
 
 @pytest.mark.parametrize("mode", ["detached", "exact", "prefix-requires-grad"])

@@ -10,6 +10,7 @@ import importlib
 
 import pytest
 import torch
+from conftest import saved_bytes
 
 from longstraw.kernels import latent_prefix_attention_reference, sparse_latent_attention
 
@@ -202,19 +203,6 @@ def test_token_with_only_empty_slots_gives_zero_and_no_nan():
     assert (out[:, 1] == 0).all() and (lse[:, 1] == float("-inf")).all() and (inputs["q"].grad[:, 1] == 0).all()
     torch.testing.assert_close(out[:, [0, 2]], got["out"][:, [0, 2]], atol=1e-12, rtol=1e-12)
     assert torch.isfinite(inputs["q"].grad).all()
-
-
-def saved_bytes(fn) -> int:
-    """Bytes of the tensors autograd saves for backward while fn() runs."""
-    sizes = []
-
-    def pack(t):
-        sizes.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(sizes)
 
 
 @pytest.mark.parametrize("mode", ["constant-pages", "dpage_acc", "pages-require-grad"])
