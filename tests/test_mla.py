@@ -74,7 +74,17 @@ def _hf_logp(model, tokens_P, response_R, detach_prompt_pages=False):
     return token_logprobs(logits[p - 1 :], response_R, TEMPERATURE)
 
 
-def _assert_grads_close(got, want):
+def hf_grads(model, tokens_P, responses, mode: str = "exact") -> dict:
+    """HF's LoRA gradients of the update objective over `responses` (reference under the adapter disabled):
+    full-sequence backprop, or with the prompt's pages detached in detached mode."""
+    for i, r in enumerate(responses):
+        with model.disable_adapter(), torch.no_grad():
+            ref = _hf_logp(model, tokens_P, r)
+        update_objective(i, _hf_logp(model, tokens_P, r, mode == "detached"), ref)[0].backward()
+    return pop_lora_grads(model)
+
+
+def assert_grads_close(got, want):
     assert got.keys() == want.keys()
     assert any("experts" in n for n in want) and any("kv_b_proj" in n for n in want)
     for name in want:
@@ -100,17 +110,13 @@ def test_grads_equal_hf_backprop(mla_path, mode, budget):
     kv_b_proj's up-projection stays live over the prefix through the queries and outputs."""
     model = lora_model(mla_path, TARGETS)
     tokens_P, responses = update_inputs(model.config.vocab_size)
-    for i, r in enumerate(responses):
-        with model.disable_adapter(), torch.no_grad():
-            ref = _hf_logp(model, tokens_P, r)
-        update_objective(i, _hf_logp(model, tokens_P, r, mode == "detached"), ref)[0].backward()
-    want = pop_lora_grads(model)
+    want = hf_grads(model, tokens_P, responses, mode)
     spec = UpdateSpec(
         mode=mode, chunk_size=CHUNK, temperature=TEMPERATURE, need_ref=True, replay_budget_bytes=budget,
         checkpoint_min_tokens=4 if budget == 0 else 256,
     )  # fmt: skip
     grpo_update(model, tokens_P, responses, update_objective, spec)
-    _assert_grads_close(pop_lora_grads(model), want)
+    assert_grads_close(pop_lora_grads(model), want)
 
 
 def test_pages_are_the_latent_not_the_expansion(mla_path):
