@@ -222,16 +222,28 @@ RUN_MARK_VAR = "MINT_TEST_RUN_MARK"
 
 
 def new_run_mark() -> str:
-    """A fresh value for RUN_MARK_VAR. Put it in the environment of the process that starts Ray, before it does:
-    the raylet inherits it, every worker the raylet starts (restarted actors too) and whatever they start."""
+    """A fresh value for RUN_MARK_VAR. Put run_mark_env(mark) in the environment of the process that starts Ray, before
+    it does: the raylet inherits it, every worker the raylet starts (restarted actors too) and whatever they start."""
     import uuid
 
     return f"mint-test-{uuid.uuid4().hex}"
 
 
+def run_mark_env(mark: str) -> dict[str, str]:
+    """The variables that mark a run's processes so that processes_of_run can find them.
+
+    SPT_NOENV=1 keeps the mark readable. A Ray worker sets its title ("ray::LearnerActor") with the setproctitle code
+    Ray bundles, which by default takes the memory of the process's original environment as room for the title and
+    zeroes the start of it, and /proc/PID/environ reads that memory. Whether a worker's mark survived then depended on
+    where the variable fell in the environment the raylet builds for it (a hash map's order), which differs between
+    machines: a drill found both of its learner ranks on one machine and neither on another. With SPT_NOENV the title
+    stays within the argument list (a worker's is hundreds of bytes long) and the environment is left alone."""
+    return {RUN_MARK_VAR: mark, "SPT_NOENV": "1"}
+
+
 def processes_of_run(mark: str, title: str) -> list[int]:
     """Ids of the processes whose command line contains `title` (a Ray worker's is its title, "ray::RolloutActor")
-    and whose environment holds RUN_MARK_VAR=`mark`.
+    and whose environment holds RUN_MARK_VAR=`mark` (the run was started with run_mark_env(mark)).
 
     An inherited environment rather than the process tree: it holds wherever Ray puts a process (a worker is the
     raylet's child, the raylet the driver's, a process whose parent died is adopted by init and keeps it), it needs no

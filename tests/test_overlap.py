@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import RUN_MARK_VAR, headroom_closed, new_run_mark, processes_of_run
+from conftest import headroom_closed, new_run_mark, run_mark_env, wait_for_processes
 
 from mint.config import load_config
 from mint.train.driver import train
@@ -146,17 +146,18 @@ def test_max_staleness_1_survives_a_sigkilled_rollout_actor(tmp_path, reference)
     cmd += [f"logging.root={tmp_path}", "logging.name=killed", "logging.progress=false"]
     # Marked, so the victim is this run's rollout actor and no other job's on the machine.
     mark = new_run_mark()
-    env = {**os.environ, RUN_MARK_VAR: mark}
+    env = {**os.environ, **run_mark_env(mark)}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+    # Found while the run starts: a step takes a fraction of a second, so a search after step 2 could miss the run.
+    victims = wait_for_processes(mark, "ray::RolloutActor", 1, timeout=300)
+    assert victims, "no rollout actor of this run"
     metrics = tmp_path / "killed" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before step 2"
-        time.sleep(0.1)
-    victims = processes_of_run(mark, "ray::RolloutActor")
-    assert victims, "no rollout actor of this run"
+        time.sleep(0.02)
     os.kill(victims[0], signal.SIGKILL)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]

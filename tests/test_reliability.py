@@ -1,6 +1,6 @@
 """Runs that survive, through real local Ray and DeepSpeed on CPU, with real signals.
 
-One uninterrupted reference run (6 steps, a checkpoint every 2) fixes the final revision. Every drill below ends at
+One uninterrupted reference run (10 steps, a checkpoint every 2) fixes the final revision. Every drill below ends at
 that same revision, bit for bit: kill -9 of the driver then --resume, a SIGKILLed rollout actor (restarted by Ray,
 its shard redone), a SIGKILLed learner rank (the actors restarted from the checkpoint), Ctrl-C then --resume.
 """
@@ -16,14 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import RUN_MARK_VAR, new_run_mark, processes_of_run, wait_for_processes
+from conftest import new_run_mark, processes_of_run, run_mark_env, wait_for_processes
 
 from mint.config import load_config
 from mint.train.driver import train
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-STEPS = 6
+STEPS = 10
 COMMON = [f"grpo.steps={STEPS}", "checkpoint.every=2", "learner.num_ranks=2", "logging.progress=false"]
 
 
@@ -57,9 +57,17 @@ def _wait_for_step(proc: subprocess.Popen, run: Path, step: int, timeout: float 
             return
         if proc.poll() is not None:
             raise AssertionError(f"run ended early: {proc.communicate()[1][-3000:]}")
-        time.sleep(0.5)
+        time.sleep(0.02)  # a step of the smoke run takes about 0.1 s on 2 cores
     proc.kill()
     raise AssertionError(f"no step {step} within {timeout} s")
+
+
+def _actors(proc: subprocess.Popen, mark: str, title: str, count: int) -> list[int]:
+    """The run's `count` actor processes titled `title`, found while it starts. A drill finds its victims before the
+    step it kills at: steps take about 0.1 s, so a search begun after the step can find the run already over."""
+    pids = wait_for_processes(mark, title, count, timeout=300)
+    assert len(pids) == count and proc.poll() is None, (title, pids, proc.poll())
+    return pids
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
@@ -108,10 +116,9 @@ def test_resume_refuses_a_recipe_that_computes_something_else(tmp_path, referenc
 def test_a_sigkilled_rollout_actor_is_restarted_and_the_run_completes(tmp_path, reference):
     run = tmp_path / "rollout"
     mark = new_run_mark()
-    proc = _start(_cmd(tmp_path, "rollout"), **{RUN_MARK_VAR: mark})
+    proc = _start(_cmd(tmp_path, "rollout"), **run_mark_env(mark))
+    victims = _actors(proc, mark, "ray::RolloutActor", 1)  # this run's, not another job's on the machine
     _wait_for_step(proc, run, 2)
-    victims = wait_for_processes(mark, "ray::RolloutActor", 1)  # this run's, not another job's on the machine
-    assert victims
     os.kill(victims[0], signal.SIGKILL)
     code, out, err = _finish(proc)
     assert code == 0, err[-3000:]
@@ -123,10 +130,9 @@ def test_a_sigkilled_rollout_actor_is_restarted_and_the_run_completes(tmp_path, 
 def test_a_sigkilled_learner_rank_restarts_from_the_checkpoint(tmp_path, reference):
     run = tmp_path / "learner"
     mark = new_run_mark()
-    proc = _start(_cmd(tmp_path, "learner"), **{RUN_MARK_VAR: mark})
+    proc = _start(_cmd(tmp_path, "learner"), **run_mark_env(mark))
+    victims = _actors(proc, mark, "ray::LearnerActor", 2)
     _wait_for_step(proc, run, 3)
-    victims = wait_for_processes(mark, "ray::LearnerActor", 2)
-    assert len(victims) == 2, victims
     os.kill(victims[1], signal.SIGKILL)
     code, out, err = _finish(proc)
     assert code == 0, err[-3000:]
@@ -138,10 +144,10 @@ def test_a_sigkilled_learner_rank_restarts_from_the_checkpoint(tmp_path, referen
 
 def test_ctrl_c_checkpoints_writes_a_summary_and_exits_130(tmp_path, reference):
     """The interrupted run is asked for 40 steps (grpo.steps may change on resume), so Ctrl-C cannot race the end of
-    the run; the resume then stops at the reference's 6."""
+    the run; the resume then stops at the reference's STEPS."""
     run = tmp_path / "ctrlc"
     mark = new_run_mark()
-    proc = _start([*_cmd(tmp_path, "ctrlc"), "grpo.steps=40"], **{RUN_MARK_VAR: mark})
+    proc = _start([*_cmd(tmp_path, "ctrlc"), "grpo.steps=40"], **run_mark_env(mark))
     _wait_for_step(proc, run, 1)
     os.kill(proc.pid, signal.SIGINT)
     code, _, err = _finish(proc)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RUN_MARK_VAR, headroom_closed, kill_when_logged, new_run_mark, processes_of_run
+from conftest import headroom_closed, kill_when_logged, new_run_mark, processes_of_run, run_mark_env
 
 from longstraw.scoring import token_logprobs
 from mint.config import load_config
@@ -46,7 +46,8 @@ def test_a_grpo_run_through_a_real_vllm_learns_with_the_learners_logprobs_and_su
     tmp_path, engine_python, monkeypatch, capfd
 ):
     mark = new_run_mark()
-    monkeypatch.setenv(RUN_MARK_VAR, mark)  # reaches the server through Ray's workers
+    for name, value in run_mark_env(mark).items():
+        monkeypatch.setenv(name, value)  # reaches the server through Ray's workers
     servers = lambda: processes_of_run(mark, "vllm serve")  # the API server; the restart ends its process group
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
     steps, kill_at = 40, 10

@@ -94,7 +94,9 @@ def run_golden(base: str, root: Path, timeout_s: float = 600.0) -> dict:
     """Run the golden recipe on tiny:<base> as a `mint train` process under `root`; return its figures (what the
     golden file holds) plus "workers": the PINNED_ENV values each Ray worker of the run was seen with."""
     mark = uuid.uuid4().hex
-    env = run_env() | {RUN_MARK_VAR: mark}
+    # SPT_NOENV=1: a Ray worker's title would otherwise overwrite its /proc/PID/environ, mark and PINNED_ENV with it
+    # (run_mark_env in tests/conftest.py says how).
+    env = run_env() | {RUN_MARK_VAR: mark, "SPT_NOENV": "1"}
     cmd = [sys.executable, "-m", "mint.cli", "train", str(RECIPE), *overrides(base, Path(root))]
     seen: dict[int, dict] = {}
     done = threading.Event()
