@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="per-GPU memory plan of a recipe's learner at a real base's shapes")
     plan.add_argument("recipe", help="path to a TOML recipe")
     plan.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
-    plan.add_argument("--gpus", type=int, required=True, help="learner GPUs (data-parallel ranks)")
+    plan.add_argument("--gpus", type=int, default=None, help="learner GPUs (default: the recipe's learner.num_ranks)")
     plan.add_argument("--gpu-memory", default="96GB", help="memory per GPU, e.g. 96GB (H20), 141GB (H200)")
     plan.add_argument("--prompt-len", type=int, required=True, help="P: the longest prompt, in tokens")
     plan.add_argument(
@@ -48,8 +48,18 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="a key of mint.models.shapes.SHAPES, e.g. qwen3_30b_a3b, qwen35_35b_a3b (default: model.path)",
     )
-    plan.add_argument("--expert-parallel", type=int, default=1, help="EP group size (experts split over it)")
-    plan.add_argument("--context-parallel", type=int, default=1, help="CP group size (prefix pages split over it)")
+    plan.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=None,
+        help="EP group size, experts split over it (default: the recipe's learner.expert_parallel)",
+    )
+    plan.add_argument(
+        "--context-parallel",
+        type=int,
+        default=None,
+        help="CP group size, prefix pages split over it (default: the recipe's longstraw.context_parallel)",
+    )
     report = sub.add_parser("report", help="plots and a markdown report of a run directory")
     report.add_argument("run", help="a run directory, e.g. runs/smoke")
     report.add_argument("--out", default=None, help="where report.md and plots/ go (default: the run directory)")
@@ -121,10 +131,23 @@ def _plan(args) -> int:
     from mint.models.plan import HUB_IDS, Job, largest_prompt, make_plan, parse_bytes
     from mint.models.shapes import shape
 
-    config = load_config(args.recipe, args.overrides)
+    # The layout flags become the recipe's own keys, so the learner's rules (EP x CP divides the ranks, EP on
+    # ZeRO-1, CP under LongStraw) refuse here what `mint train` would refuse: a plan never fits a layout no run takes.
+    layout = {
+        "learner.num_ranks": args.gpus,
+        "learner.expert_parallel": args.expert_parallel,
+        "longstraw.context_parallel": args.context_parallel,
+    }
+    config = load_config(args.recipe, [*args.overrides, *(f"{k}={v}" for k, v in layout.items() if v is not None)])
     key = args.shape or HUB_IDS.get(config.model.path)
     if key is None:
         raise ConfigError(f"model.path {config.model.path!r} is not a known real base; pass --shape")
+    real = shape(key)
+    if real.experts % config.learner.expert_parallel:
+        raise ConfigError(
+            f"learner.expert_parallel: {config.learner.expert_parallel} does not divide the {real.experts} experts "
+            f"of {real.name}; use a divisor of it"
+        )
     job = Job(
         prompt_len=args.prompt_len,
         group=config.rollout.group_size,
@@ -132,15 +155,15 @@ def _plan(args) -> int:
         lora_rank=config.lora.rank,
         chunk=config.longstraw.chunk_size,
         mode="detached" if config.longstraw.mode != "exact" else "exact",
-        data_parallel=args.gpus,
-        expert_parallel=args.expert_parallel,
-        context_parallel=args.context_parallel,
+        data_parallel=config.learner.num_ranks,
+        expert_parallel=config.learner.expert_parallel,
+        context_parallel=config.longstraw.context_parallel,
         dtype_bytes=4 if config.model.dtype == "float32" else 2,
         indexer_replay=config.grpo.indexer_replay,
     )
-    result = make_plan(shape(key), key, job, parse_bytes(args.gpu_memory))
+    result = make_plan(real, key, job, parse_bytes(args.gpu_memory))
     print(result.table())
-    largest = largest_prompt(shape(key), key, job, parse_bytes(args.gpu_memory))
+    largest = largest_prompt(real, key, job, parse_bytes(args.gpu_memory))
     print(f"largest prompt that fits at G={job.group}, R={job.response_len}: P = {largest:,}")
     return 0 if result.fits else 1
 

@@ -207,6 +207,43 @@ def test_mint_plan_cli_prints_the_table_and_the_verdict():
     assert small.returncode == 1 and "does NOT fit" in small.stdout
 
 
+@pytest.mark.parametrize(
+    ("layout", "refusal"),
+    [
+        (
+            ["--gpus", "8", "--expert-parallel", "8", "--context-parallel", "2"],
+            "longstraw.context_parallel: 2 x learner.expert_parallel 8 = 16 does not divide learner.num_ranks = 8",
+        ),
+        (["--gpus", "6", "--expert-parallel", "6"], "learner.expert_parallel: 6 does not divide the 128 experts"),
+        (["--gpus", "8", "--expert-parallel", "3"], "learner.expert_parallel: 3 does not divide learner.num_ranks"),
+        (["longstraw.mode=resident", "--gpus", "2", "--context-parallel", "2"], "in exact or detached mode"),
+    ],
+)
+def test_mint_plan_refuses_a_layout_the_learner_refuses(layout, refusal, monkeypatch, capsys):
+    """A plan that says "fits" for EP x CP = 16 on 8 GPUs describes a run `mint train` would not start: the layout
+    goes through the learner's own rules and fails in one line, with no table."""
+    from mint.cli import main
+
+    monkeypatch.chdir(ROOT)
+    rc = main(["plan", "recipes/qwen3_30b_a3b_8xh20.toml", *layout, "--prompt-len", "16384"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err.startswith("mint: config error: ") and refusal in err and err.count("\n") == 1, err
+
+
+def test_mint_plan_takes_the_layout_from_the_recipe_unless_a_flag_sets_it(monkeypatch, capsys):
+    """The 122B recipe asks for 4 learner ranks with EP=4: the plan counts that layout by default, and the flags
+    override it."""
+    from mint.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["plan", "recipes/qwen35_122b_a10b_8xh20.toml", "--prompt-len", "16384"]) == 0
+    assert "DP=4, EP=4, CP=1" in capsys.readouterr().out.splitlines()[0]
+    flags = ["--prompt-len", "16384", "--gpus", "8", "--expert-parallel", "1"]
+    assert main(["plan", "recipes/qwen35_122b_a10b_8xh20.toml", *flags]) in (0, 1)  # 1: the whole experts may not fit
+    assert "DP=8, EP=1, CP=1" in capsys.readouterr().out.splitlines()[0]
+
+
 def test_mint_plan_on_the_qwen35_35b_a3b_recipe_fits_and_shows_every_hybrid_term():
     cmd = [sys.executable, "-m", "mint.cli", "plan", "recipes/qwen35_35b_a3b_8xh20.toml", "--gpus", "4"]
     proc = subprocess.run(
