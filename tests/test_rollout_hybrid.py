@@ -3,6 +3,8 @@ Gated DeltaNet layers keep per-row conv and recurrent states in the slab beside 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import build_random_tiny, load_fp32
@@ -11,12 +13,14 @@ from rollout_checks import (
     check_greedy_matches_hf_generate,
     check_sampled_batch_equals_each_group_alone,
 )
-from test_rollout import PROMPT
+from test_rollout import PROMPT, forward_shapes
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
 
 from mint.errors import MintError
-from mint.rollout._cache import KVSlab
+from mint.models.specs import tiny_config
+from mint.rollout._cache import KVSlab, row_state_columns
+from mint.rollout.engine import RolloutEngine, SamplingParams
 
 HYBRID_FAMILIES = ["qwen3_5_moe", "qwen3_next", "qwen3_5"]
 
@@ -97,3 +101,37 @@ def test_hybrid_slab_steps_like_hf_cache_in_place(hybrid_model):
         assert torch.equal(layer.conv_states[0], conv) and torch.equal(layer.recurrent_states[0], recurrent)
     with torch.inference_mode(), pytest.raises((RuntimeError, MintError)):
         hybrid_model(input_ids=next_3_1, cache=slab, use_cache=True)  # 3 rows into a 2-row slab
+
+
+def test_row_state_columns_count_the_states_transformers_allocates(hybrid_model):
+    """One row's linear-attention states, read off transformers' own cache after a prefill (conv window and recurrent
+    state of every linear layer), over one column's K/V of every full layer, rounded up; none without linear layers."""
+    with torch.inference_mode():
+        cache = DynamicCache(config=hybrid_model.config)
+        hybrid_model(input_ids=torch.tensor([PROMPT]), cache=cache, use_cache=True)
+    linear = [layer for layer in cache.layers if isinstance(layer, LinearAttentionLayer)]
+    full = [layer for layer in cache.layers if not isinstance(layer, LinearAttentionLayer)]
+    row = sum(layer.conv_states[0].nbytes + layer.recurrent_states[0].nbytes for layer in linear)
+    column = sum(layer.keys.nbytes + layer.values.nbytes for layer in full) // len(PROMPT)
+    assert row_state_columns(hybrid_model.config, 4) == math.ceil(row / column) > 0
+    assert row_state_columns(tiny_config("qwen3_moe", 97), 4) == 0
+
+
+def test_a_hybrid_rows_states_count_against_the_decode_budget(hybrid_model):
+    """Two groups of 2 rows whose K/V alone (2 x 2 x (7 + 2) = 36 slots) fits a budget one slot short of what their
+    linear states add decode one after the other, with each group's tokens unchanged; at the full figure they share
+    one batch."""
+    prompts, params = [PROMPT, [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3)
+    columns = RolloutEngine(hybrid_model, eos_token_ids=[]).row_state_columns
+    both = 2 * 2 * (len(PROMPT) + params.max_tokens - 1 + columns)
+
+    def decode(budget: int) -> tuple[list[int], list[list[list[int]]]]:
+        """The decode forwards' batch sizes and each group's tokens under `budget` slots."""
+        engine, groups = RolloutEngine(hybrid_model, eos_token_ids=[], max_batch_tokens=budget), []
+        shapes = forward_shapes(hybrid_model, lambda: groups.extend(engine.generate(prompts, 2, params, seed=0)))
+        tokens = [[c.tokens_R.tolist() for c in group.completions] for group in groups]
+        return [batch for batch, seq in shapes if seq == 1], tokens
+
+    (together, tokens), (apart, tokens_apart) = decode(both), decode(both - 1)
+    assert together == [4] * 2 and apart == [2] * 4
+    assert tokens == tokens_apart

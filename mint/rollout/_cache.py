@@ -199,6 +199,27 @@ class _SlabLinearLayer(LinearAttentionLayer):
         self.rows = int(indices.numel())
 
 
+def row_state_columns(config, dtype_bytes: int) -> int:
+    """How many K/V columns hold as many bytes as one row's linear-attention states (0 for a model without them).
+
+    The engine budgets a decode batch in slab slots, rows x columns, which counts what grows with a row's length.
+    A hybrid row also holds a fixed state per linear layer, the conv window [conv_dim, K] in the model dtype and the
+    recurrent state [H_v, d_k, d_v] in fp32, and at real dims that is thousands of columns' worth (Qwen3.5-35B-A3B:
+    about 61 MiB per row against 20 KiB per column of its 10 full layers' K/V), so the engine counts each row as
+    this many extra columns. dtype_bytes: the model's (K/V and the conv window)."""
+    text = config.get_text_config(decoder=True)
+    layer_types, _ = get_layer_types_and_kwargs(text)
+    linear = layer_types.count("linear_attention")
+    if not linear:
+        return 0
+    column = layer_types.count("full_attention") * 2 * text.num_key_value_heads * text.head_dim * dtype_bytes
+    key_dim = text.linear_num_key_heads * text.linear_key_head_dim
+    value_dim = text.linear_num_value_heads * text.linear_value_head_dim
+    conv = (2 * key_dim + value_dim) * text.linear_conv_kernel_dim * dtype_bytes
+    recurrent = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim * 4
+    return -(-linear * (conv + recurrent) // column)
+
+
 class KVSlab(Cache):
     """A preallocated cache for `rows` sequences of at most `capacity` columns, for every layer of `config`: a K/V
     slab per full-attention layer (the latent per MLA layer), the latent and indexer keys per DSA layer, per-row

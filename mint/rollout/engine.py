@@ -73,7 +73,7 @@ from longstraw.routing import RouteRecorder, find_routers
 from longstraw.scoring import token_logprobs
 from mint.errors import ConfigError, MintError
 from mint.models.specs import moe_layout
-from mint.rollout._cache import KVSlab
+from mint.rollout._cache import KVSlab, row_state_columns
 from mint.rollout._indexer import IndexerRecorder, checked_indexers
 from mint.rollout._sampling import group_seed, sample_groups
 
@@ -82,7 +82,8 @@ from mint.rollout._sampling import group_seed, sample_groups
 PREFILL_TOKENS = 16384
 # KV slab slots (rows x (P_max + max_tokens - 1)) per decode batch. The slab holds every row's copy of its prompt, so
 # it bounds the engine's K/V memory: 2^18 slots are 24 GiB at Qwen3-30B-A3B dims in bf16 (96 KiB per token over 48
-# layers), 2 MiB on the tiny bases. A step that needs more decodes in several batches, one after the other.
+# layers), 2 MiB on the tiny bases. A hybrid row's fixed linear-attention states count as the columns their bytes
+# would fill (`row_state_columns`). A step that needs more decodes in several batches, one after the other.
 MAX_BATCH_TOKENS = 2**18
 # Compact the slab once finished groups hold this fraction of its rows: each compaction copies the kept rows' K/V,
 # each step over a dead row costs a forward row; a quarter keeps both small.
@@ -180,7 +181,8 @@ class RolloutEngine:
         rows for 151,669 tokens); logits are cut to [:vocab_limit] before sampling and scoring, and the learner
         scores with the same cut (mint.models.specs.usable_vocab).
         prefill_tokens: most padded prompt tokens per prefill forward (a longer prompt is prefilled alone).
-        max_batch_tokens: most KV slab slots (rows x columns) per decode batch (one group over it decodes alone).
+        max_batch_tokens: most KV slab slots (rows x columns) per decode batch (one group over it decodes alone); a
+        hybrid model's row counts its linear-attention states as `row_state_columns` more columns.
         record_indexer: record each DSA indexer's selections per completion (Indexer convention); MintError if the
         model has no indexer."""
         for name, value in (("prefill_tokens", prefill_tokens), ("max_batch_tokens", max_batch_tokens)):
@@ -193,6 +195,7 @@ class RolloutEngine:
         self.max_batch_tokens = max_batch_tokens
         self.layout = moe_layout(model.config)
         self.device = next(model.parameters()).device
+        self.row_state_columns = row_state_columns(model.config, next(model.parameters()).dtype.itemsize)
         self.indexers = checked_indexers(model) if record_indexer else []
         if self.layout is not None:
             num_routers = len(find_routers(model))
@@ -239,7 +242,8 @@ class RolloutEngine:
             raise MintError("rollout: empty prompt; a completion needs at least one prompt token to condition on")
         results: list[GroupRollout | None] = [None] * len(prompts_P)
         lengths = [p.numel() for p in prompts_P]
-        for packed in _pack(lengths, self.max_batch_tokens, rows=group_size, extra=params.max_tokens - 1):
+        extra = params.max_tokens - 1 + self.row_state_columns
+        for packed in _pack(lengths, self.max_batch_tokens, rows=group_size, extra=extra):
             batch = sorted(packed)  # the caller's order inside a batch
             batch_prompts, batch_generators = [prompts_P[i] for i in batch], [generators[i] for i in batch]
             groups = self._generate_batch(batch_prompts, group_size, params, batch_generators)
