@@ -205,7 +205,7 @@ def row_state_columns(config, dtype_bytes: int) -> int:
     The engine budgets a decode batch in slab slots, rows x columns, which counts what grows with a row's length.
     A hybrid row also holds a fixed state per linear layer, the conv window [conv_dim, K] in the model dtype and the
     recurrent state [H_v, d_k, d_v] in fp32, and at real dims that is thousands of columns' worth (Qwen3.5-35B-A3B:
-    about 61 MiB per row against 20 KiB per column of its 10 full layers' K/V), so the engine counts each row as
+    about 62 MiB per row against 20 KiB per column of its 10 full layers' K/V), so the engine counts each row as
     this many extra columns. dtype_bytes: the model's (K/V and the conv window)."""
     text = config.get_text_config(decoder=True)
     layer_types, _ = get_layer_types_and_kwargs(text)
