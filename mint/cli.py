@@ -129,7 +129,8 @@ def _plan(args) -> int:
     """`mint plan`: print the per-GPU budget table; exit 0 when it fits, 1 when it does not."""
     from mint.config import load_config
     from mint.models.plan import HUB_IDS, Job, largest_prompt, make_plan, parse_bytes
-    from mint.models.shapes import shape
+    from mint.models.shapes import layer_config, shape
+    from mint.train.preflight import check_expert_parallel
 
     # The layout flags become the recipe's own keys, so the learner's rules (EP x CP divides the ranks, EP on
     # ZeRO-1, CP under LongStraw) refuse here what `mint train` would refuse: a plan never fits a layout no run takes.
@@ -143,11 +144,8 @@ def _plan(args) -> int:
     if key is None:
         raise ConfigError(f"model.path {config.model.path!r} is not a known real base; pass --shape")
     real = shape(key)
-    if real.experts % config.learner.expert_parallel:
-        raise ConfigError(
-            f"learner.expert_parallel: {config.learner.expert_parallel} does not divide the {real.experts} experts "
-            f"of {real.name}; use a divisor of it"
-        )
+    if config.learner.expert_parallel > 1:
+        check_expert_parallel(config, layer_config(real, 1))  # preflight's check, on a config of the real dims
     job = Job(
         prompt_len=args.prompt_len,
         group=config.rollout.group_size,

@@ -214,7 +214,7 @@ def test_mint_plan_cli_prints_the_table_and_the_verdict():
             ["--gpus", "8", "--expert-parallel", "8", "--context-parallel", "2"],
             "longstraw.context_parallel: 2 x learner.expert_parallel 8 = 16 does not divide learner.num_ranks = 8",
         ),
-        (["--gpus", "6", "--expert-parallel", "6"], "learner.expert_parallel: 6 does not divide the 128 experts"),
+        (["--gpus", "6", "--expert-parallel", "6"], "6 does not divide the base's experts (128 routed"),
         (["--gpus", "8", "--expert-parallel", "3"], "learner.expert_parallel: 3 does not divide learner.num_ranks"),
         (["longstraw.mode=resident", "--gpus", "2", "--context-parallel", "2"], "in exact or detached mode"),
     ],
