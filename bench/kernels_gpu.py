@@ -46,7 +46,7 @@ import time
 
 import torch
 
-from longstraw.kernels import (
+from mint_kernels import (
     expert_lora,
     expert_lora_reference,
     fused_logprob,

@@ -29,7 +29,7 @@ state allocated, allocator warm); then the baseline is taken and one update over
                      weights and the prefix state (longstraw.memory.GraphMeter),
            M_score   the scoring transient: two fp32 [rows, V] blocks (logits and their softmax), rows =
                      min(R, LOGIT_BLOCK_ELEMENTS // V); the engine never keeps [R, V] logits (its CPU path is
-                     longstraw.kernels' fused_logprob_reference, which works in such blocks).
+                     mint_kernels' fused_logprob_reference, which works in such blocks).
            Exact mode adds its fp32 dKV buffer, and the prompt backward's chunk graph (metered the same way)
            competes with the replay term: bound = M_prefix + M_dkv + M_grad + max(replay term, M_graph(chunk)).
   naive  : the standard full-sequence step at its most frugal: one prompt+response sequence at a time, gradient
@@ -193,7 +193,7 @@ def state_sizes(args) -> dict:
 def worker(args) -> dict:
     # LOGIT_BLOCK_ELEMENTS: the block size of the CPU scoring path (fused_logprob_reference); M_score is sized by it.
     from longstraw.engine import UpdateSpec, grpo_update
-    from longstraw.kernels._fused_logprob_reference import LOGIT_BLOCK_ELEMENTS
+    from mint_kernels._fused_logprob_reference import LOGIT_BLOCK_ELEMENTS
     from longstraw.memory import PeakMeter
 
     torch.set_num_threads(args.threads)

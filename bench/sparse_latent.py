@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from longstraw.kernels import latent_prefix_attention, sparse_latent_attention
+from mint_kernels import latent_prefix_attention, sparse_latent_attention
 from longstraw.memory import GraphMeter
 from mint.models.shapes import shape
 

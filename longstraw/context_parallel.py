@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-import longstraw.kernels as kernels
+import mint_kernels as kernels
 from longstraw._cp_collectives import (
     all_reduce_,
     collective_log,

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-import longstraw.kernels as kernels
+import mint_kernels as kernels
 from longstraw._cp_collectives import all_gather, rank, replicated_to_partial, world_size
 from longstraw.adapters.base import KVState
 from longstraw.adapters.dsa import DsaAdapter, DsaState, top_keys

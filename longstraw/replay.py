@@ -3,7 +3,7 @@
 A micro-batch is one forward and one backward over B responses of the group, right-padded to the longest of them
 (T tokens): a [B, T] batch at positions P-1 .. P+T-2 against the one prefix state. The prefix is shared, so the batch
 axis is on the response side only: attention reads each prefix K/V block once for all B rows
-(`longstraw.kernels.prefix_attention` takes q [B, H, T, D] against a [H_kv, S, D] prefix), and exact mode's dK/dV
+(`mint_kernels.prefix_attention` takes q [B, H, T, D] against a [H_kv, S, D] prefix), and exact mode's dK/dV
 buffer receives the sum over the rows.
 
 Padding, and why it changes nothing: the pads sit after each row's own tokens, so causal attention never shows

@@ -25,7 +25,7 @@ from longstraw.context_parallel import (
     page_bounds,
 )
 from longstraw.engine import UpdateSpec, grpo_update, score_response
-from longstraw.kernels import prefix_attention
+from mint_kernels import prefix_attention
 
 # The fp32 comparisons below part by at most 5.7 eps * max|value| (1.2e-6 at max|value| 3.1), measured under the
 # default and the AVX2 kernels: a tenth of TOL. The fp64 ones use 1e-12.

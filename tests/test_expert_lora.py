@@ -11,7 +11,7 @@ import torch
 from conftest import build_random_tiny, load_fp32
 from peft.tuners.lora.layer import ParamWrapper
 
-import longstraw.kernels
+import mint_kernels
 from longstraw.routing import RouteReplay, find_routers
 from mint.config import LoraConfig
 from mint.errors import ConfigError
@@ -121,11 +121,11 @@ def test_zero_lora_b_is_bit_identical_to_the_base(base_path, implementation, dty
 
 
 def test_factored_path_runs_the_kernel_and_never_peft_parametrization(base_path, monkeypatch):
-    """The factored model calls longstraw.kernels.expert_lora twice per MoE layer and never PEFT's _activate_lora
+    """The factored model calls mint_kernels.expert_lora twice per MoE layer and never PEFT's _activate_lora
     on an expert wrapper (which is where W + s·B A is formed)."""
     _, factored = _pair(base_path)
     calls = {"kernel": 0, "activate": 0}
-    kernel = longstraw.kernels.expert_lora
+    kernel = mint_kernels.expert_lora
 
     def counting_kernel(*args, **kwargs):
         calls["kernel"] += 1
@@ -137,7 +137,7 @@ def test_factored_path_runs_the_kernel_and_never_peft_parametrization(base_path,
         calls["activate"] += 1
         return activate(self, *args, **kwargs)
 
-    monkeypatch.setattr(longstraw.kernels, "expert_lora", counting_kernel)
+    monkeypatch.setattr(mint_kernels, "expert_lora", counting_kernel)
     monkeypatch.setattr(ParamWrapper, "_activate_lora", counting_activate)
     factored(_ids(factored.config.vocab_size)).logits.sum().backward()
     assert calls == {"kernel": 2 * len(_expert_wrappers(factored)), "activate": 0}

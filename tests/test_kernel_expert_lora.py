@@ -16,11 +16,11 @@ import pytest
 import torch
 from conftest import assert_three_way, compile_for_hopper, run_interp_tests_in_subprocess, saved_bytes
 
-from longstraw.kernels import expert_lora, expert_lora_reference
+from mint_kernels import expert_lora, expert_lora_reference
 
 # The package re-exports the function under the module's name, so fetch the modules themselves.
-el = importlib.import_module("longstraw.kernels.expert_lora")
-el_triton = importlib.import_module("longstraw.kernels._expert_lora_triton")
+el = importlib.import_module("mint_kernels.expert_lora")
+el_triton = importlib.import_module("mint_kernels._expert_lora_triton")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(

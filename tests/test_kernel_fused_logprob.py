@@ -15,10 +15,10 @@ import pytest
 import torch
 from conftest import assert_three_way, compile_for_hopper, run_interp_tests_in_subprocess
 
-from longstraw.kernels import fused_logprob, fused_logprob_reference
+from mint_kernels import fused_logprob, fused_logprob_reference
 
 # The package re-exports the function under the module's name, so fetch the module itself for monkeypatching.
-fl = importlib.import_module("longstraw.kernels.fused_logprob")
+fl = importlib.import_module("mint_kernels.fused_logprob")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
@@ -243,7 +243,7 @@ def test_reference_matches_naive_formula(layout):
 def test_reference_saves_nothing_vocab_sized(monkeypatch):
     """Besides the caller's hidden and weight, the reference saves O(T) for backward whatever V is (naive: T x V);
     its logit blocks hold LOGIT_BLOCK_ELEMENTS, or one row when a row is larger."""
-    fl_ref = importlib.import_module("longstraw.kernels._fused_logprob_reference")
+    fl_ref = importlib.import_module("mint_kernels._fused_logprob_reference")
     monkeypatch.setattr(fl_ref, "LOGIT_BLOCK_ELEMENTS", 128)
     real, largest = fl_ref._block_logits, []
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from conftest import assert_three_way, compile_for_hopper, run_interp_tests_in_subprocess, saved_bytes
 
-from longstraw.kernels import latent_prefix_attention, latent_prefix_attention_reference, prefix_attention
+from mint_kernels import latent_prefix_attention, latent_prefix_attention_reference, prefix_attention
 
-la = importlib.import_module("longstraw.kernels.latent_attention")
-la_ref = importlib.import_module("longstraw.kernels._latent_attention_reference")
-la_triton = importlib.import_module("longstraw.kernels._latent_attention_triton")
+la = importlib.import_module("mint_kernels.latent_attention")
+la_ref = importlib.import_module("mint_kernels._latent_attention_reference")
+la_triton = importlib.import_module("mint_kernels._latent_attention_triton")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(

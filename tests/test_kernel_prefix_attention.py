@@ -16,12 +16,12 @@ import pytest
 import torch
 from conftest import assert_three_way, compile_for_hopper, run_interp_tests_in_subprocess, saved_bytes
 
-from longstraw.kernels import prefix_attention, prefix_attention_reference
+from mint_kernels import prefix_attention, prefix_attention_reference
 
 # The package re-exports the function under the module's name, so fetch the modules themselves for monkeypatching.
-pa = importlib.import_module("longstraw.kernels.prefix_attention")
-pa_ref = importlib.import_module("longstraw.kernels._prefix_attention_reference")
-pa_triton = importlib.import_module("longstraw.kernels._prefix_attention_triton")
+pa = importlib.import_module("mint_kernels.prefix_attention")
+pa_ref = importlib.import_module("mint_kernels._prefix_attention_reference")
+pa_triton = importlib.import_module("mint_kernels._prefix_attention_triton")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(

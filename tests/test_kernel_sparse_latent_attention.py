@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import saved_bytes
 
-from longstraw.kernels import latent_prefix_attention_reference, sparse_latent_attention
+from mint_kernels import latent_prefix_attention_reference, sparse_latent_attention
 
-sla = importlib.import_module("longstraw.kernels.sparse_latent_attention")
+sla = importlib.import_module("mint_kernels.sparse_latent_attention")
 H, DK, DV, SCALE = 4, 24, 16, 0.3
 # fp64: the op and the oracle differ only in summation order over <= 64 keys and 24 columns of O(1) terms: ~1e-15.
 # fp32 op vs fp64 oracle: a relative step of 6e-8 through a score (24-term dot), a softmax and a <= 64-term sum gives

@@ -3,7 +3,7 @@
 Layers, highest first; a module may import its own layer and the ones below it, never one above:
 
     mint.cli > mint.train > mint.serve > mint.hub > mint.rollout > mint.models > mint.rl > mint.config > mint
-        > mint.errors > longstraw > longstraw.kernels
+        > mint.errors > longstraw > mint_kernels
 
 and third-party rules: Ray and DeepSpeed only in mint.train; triton only in kernels/; kernels/ imports torch and
 triton only; outside mint/hub, code reaches MinT through `mint.hub`'s public API, never its modules; serving stands
@@ -13,8 +13,6 @@ stay with the owners of the actors (the learner group, the rollout fleet, the en
 """
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import tomllib
@@ -33,17 +31,17 @@ LAYERS = [
     "mint",  # mint/__init__.py (re-exports MintError); a new top-level mint module must be given its own layer
     "mint.errors",
     "longstraw",
-    "longstraw.kernels",
+    "mint_kernels",
 ]
-ONLY_IN = {"ray": "mint.train", "deepspeed": "mint.train", "triton": "longstraw.kernels"}
-KERNELS_MAY_IMPORT = {"torch", "triton", "math", "itertools", "__future__", "functools", "os", "longstraw"}
+ONLY_IN = {"ray": "mint.train", "deepspeed": "mint.train", "triton": "mint_kernels"}
+KERNELS_MAY_IMPORT = {"torch", "triton", "math", "itertools", "__future__", "functools", "os", "mint_kernels"}
 
 
 def _module_name(path: Path) -> str:
     rel = path.relative_to(ROOT).with_suffix("")
     parts = list(rel.parts)
-    if parts[0] == "kernels":
-        parts = ["longstraw", "kernels", *parts[1:]]
+    if parts[0] == "kernels":  # kernels/mint_kernels/... is the library mint_kernels (kernels/pyproject.toml)
+        parts = parts[1:]
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
@@ -111,7 +109,7 @@ def test_kernels_import_torch_and_triton_only():
     for path in (ROOT / "kernels").rglob("*.py"):
         for name in _imports(path):
             top = name.split(".")[0]
-            if top not in KERNELS_MAY_IMPORT or (top == "longstraw" and not name.startswith("longstraw.kernels")):
+            if top not in KERNELS_MAY_IMPORT:
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, bad
 
@@ -153,27 +151,18 @@ def test_serving_stands_apart_from_the_store():
 
 
 def test_every_package_is_installed():
-    """pyproject lists packages explicitly (kernels/ maps to longstraw.kernels); a new sub-package must be listed."""
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    """Each pyproject lists its packages explicitly (Mint's and kernels/'s); a new sub-package must be listed."""
+    listed = {
+        name
+        for project in ("pyproject.toml", "kernels/pyproject.toml")
+        for name in tomllib.loads((ROOT / project).read_text())["tool"]["setuptools"]["packages"]
+    }
     found = {
         _module_name(p.parent / "__init__.py")
         for folder in ("mint", "longstraw", "kernels")
         for p in (ROOT / folder).rglob("__init__.py")
     }
     assert found == listed, (found - listed, listed - found)
-
-
-def test_no_top_level_kernels_package(tmp_path):
-    """transformers imports Hugging Face's `kernels` by that name: ours must only install as longstraw.kernels.
-
-    Checked in a fresh interpreter started outside the repo, since a repo-root cwd on sys.path would shadow it.
-    """
-    import longstraw.kernels
-
-    assert Path(longstraw.kernels.__file__).parent == ROOT / "kernels"
-    probe = "import importlib.util as u, longstraw.kernels as k; s = u.find_spec('kernels'); print(s and s.origin)"
-    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
-    assert str(ROOT / "kernels") not in out.stdout, out.stdout
 
 
 # The modules that call Ray actors and tasks: each owner of a kind of actor, and the driver (docs/layout.md).

@@ -24,8 +24,8 @@ from mint.config import LoraConfig
 from mint.models.lora import add_lora
 
 # The kernels' torch references are LongStraw's CPU path; their block sizes are module constants.
-_attention_reference = importlib.import_module("longstraw.kernels._prefix_attention_reference")
-_logprob_reference = importlib.import_module("longstraw.kernels._fused_logprob_reference")
+_attention_reference = importlib.import_module("mint_kernels._prefix_attention_reference")
+_logprob_reference = importlib.import_module("mint_kernels._fused_logprob_reference")
 
 # conftest's random_tiny_path, over every tiny MoE family (its default params are the two Qwen families).
 every_family = pytest.mark.parametrize("random_tiny_path", ["qwen3_moe", "qwen2_moe", "glm4_moe"], indirect=True)
@@ -155,11 +155,11 @@ def test_exact_grads_equal_full_backprop(random_tiny_path):
 @every_family
 @pytest.mark.parametrize("mode", ["exact", "detached"])
 def test_kernel_path_wiring_equals_full_backprop(random_tiny_path, mode, monkeypatch):
-    """One implementation per op: the adapter calls only longstraw.kernels (prefix_attention with the exact
+    """One implementation per op: the adapter calls only mint_kernels (prefix_attention with the exact
     mode's dK/dV buffers, fused_logprob from hidden states); on CPU tensors those run their torch references, so
     this pins the wiring (layouts, GQA head order, buffer accumulation). The Triton bodies are checked against the
     same references under TRITON_INTERPRET=1 in tests/test_kernel_*.py."""
-    import longstraw.kernels as kernels
+    import mint_kernels as kernels
 
     calls = {"prefix_attention": 0, "fused_logprob": 0}
     for name in calls:

@@ -19,8 +19,8 @@ from longstraw.engine import UpdateSpec, grpo_update
 from longstraw.memory import GraphMeter, module_storages
 from longstraw.replay import plan_micro_batches, score_responses
 
-_attention_reference = importlib.import_module("longstraw.kernels._prefix_attention_reference")
-_logprob_reference = importlib.import_module("longstraw.kernels._fused_logprob_reference")
+_attention_reference = importlib.import_module("mint_kernels._prefix_attention_reference")
+_logprob_reference = importlib.import_module("mint_kernels._fused_logprob_reference")
 
 every_family = pytest.mark.parametrize("random_tiny_path", ["qwen3_moe", "qwen2_moe", "glm4_moe"], indirect=True)
 

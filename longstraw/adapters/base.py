@@ -166,7 +166,7 @@ class Adapter(ABC):
     # True where forward() takes a [B, T] batch of responses against one prefix (a replay micro-batch) and
     # replay_graph_bytes estimates its graph; False: the engine replays one response at a time.
     batched_replay = False
-    # Which implementation of longstraw.kernels runs (there is one per op): "auto" Triton for CUDA tensors and the
+    # Which implementation of mint_kernels runs (there is one per op): "auto" Triton for CUDA tensors and the
     # torch reference on CPU; "on" always Triton (CUDA, or CPU under TRITON_INTERPRET=1); "off" always the reference.
     kernels = "auto"
     # Checkpoint each decoder layer in a forward with autograd over at least this many tokens (0: never).

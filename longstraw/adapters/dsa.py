@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-import longstraw.kernels as kernels
+import mint_kernels as kernels
 from longstraw.adapters.mla import LatentState, MlaAdapter
 from longstraw.adapters.qwen import KVPrefix
 

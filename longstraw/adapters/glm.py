@@ -13,7 +13,7 @@ What differs from the Qwen families, all in `Glm4MoeAttention` and `Glm4MoeDecod
   what `QwenAdapter._mlp` does, so router hooks (R3) and expert LoRA stay live.
 
 Everything else (the capture / replay / prompt-backward machinery and the attention through
-`longstraw.kernels.prefix_attention`) is `QwenAdapter`'s, inherited unchanged.
+`mint_kernels.prefix_attention`) is `QwenAdapter`'s, inherited unchanged.
 """
 
 from __future__ import annotations

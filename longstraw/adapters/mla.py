@@ -11,7 +11,7 @@ expanded K/V would be heads x (qk_nope + qk_rope + v) = 40,960), and attention r
 
 which is the module's own attention with its products reassociated: a single K/V head of width 576 shared by the
 query group of all heads. The value of a key is its latent itself, so the page serves as key and value:
-`longstraw.kernels.latent_prefix_attention` reads one page per token for both and adds the page's whole gradient into
+`mint_kernels.latent_prefix_attention` reads one page per token for both and adds the page's whole gradient into
 one fp32 buffer in exact mode. kv_b_proj's LoRA folds in factored: q_nope (B_uk A) is
 (q_nope B_uk) A, never the [heads x (nope + v), kv_lora_rank] product.
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import longstraw.kernels as kernels
+import mint_kernels as kernels
 from longstraw.adapters.base import KVState
 from longstraw.adapters.qwen import _FORCE, KVPrefix, QwenAdapter
 from longstraw.errors import LongStrawError

@@ -14,14 +14,14 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-import longstraw.kernels as kernels
+import mint_kernels as kernels
 from longstraw.adapters.base import Adapter, KVState
 from longstraw.errors import LongStrawError
 from longstraw.scoring import token_logprobs
 
 QK_NORM_FAMILIES = ("qwen3_moe", "qwen3")
 FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3", "qwen2")
-# Adapter.kernels -> longstraw.kernels' `force`: auto dispatches by device (Triton on CUDA, the torch reference on CPU).
+# Adapter.kernels -> mint_kernels' `force`: auto dispatches by device (Triton on CUDA, the torch reference on CPU).
 _FORCE = {"auto": None, "on": "triton", "off": "reference"}
 
 

@@ -16,7 +16,7 @@ unmerged adapter the experts' output is computed here, from the frozen base weig
         out_t += w y
 
 The pairs are sorted by expert once per layer. The base matmuls run per expert segment (one torch grouped matmul where
-transformers' grouped_mm forward would run one: CUDA, sm80+), and the LoRA term is `longstraw.kernels.expert_lora`
+transformers' grouped_mm forward would run one: CUDA, sm80+), and the LoRA term is `mint_kernels.expert_lora`
 over the same segments. The combine mirrors the forward the model's `config._experts_implementation` selects: `eager`
 adds rows with index_add_ in the output dtype (transformers' Qwen3MoeExperts.forward), the others unpermute and sum
 the k slots per token (transformers' grouped_mm / batched_mm forwards; deterministic on CUDA). With adapters disabled
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 
-import longstraw.kernels
+import mint_kernels
 from mint.errors import ConfigError
 
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
@@ -203,7 +203,7 @@ def _lora(wrapper: nn.Module, adapter: str, x_N_I: torch.Tensor, offsets_E1: tor
     """s · (x A_e^T) B_e^T per expert segment, through the kernel API; factors as PEFT's `get_delta_factors`
     gives them for a swapped (E, out, in) parameter: B [E, O, r], A [E, r, I], in the parameter's dtype."""
     B_E_O_R, A_E_R_I, scaling = wrapper.get_delta_factors(adapter)
-    return longstraw.kernels.expert_lora(x_N_I, A_E_R_I, B_E_O_R, offsets_E1, scaling)
+    return mint_kernels.expert_lora(x_N_I, A_E_R_I, B_E_O_R, offsets_E1, scaling)
 
 
 def _implementation(experts: nn.Module) -> str | None:

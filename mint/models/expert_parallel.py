@@ -15,7 +15,7 @@ expert axis of view(out, r, E_local). The result is `lora_state` of the unsharde
 The forward installed on each experts module: dispatch the routed rows to their experts' ranks
 (`longstraw.expert_parallel`), run base + LoRA on the local segments with the factored path's helpers
 (`mint.models.expert_lora`: the base matmuls per segment or grouped, the LoRA term through
-`longstraw.kernels.expert_lora`), combine back with the route weights on the token's rank. Routes are used as given,
+`mint_kernels.expert_lora`), combine back with the route weights on the token's rank. Routes are used as given,
 so R3's replayed ids (set upstream, in the router) are the ones dispatched. With adapters disabled (the KL reference)
 the same transport runs the base experts only.
 

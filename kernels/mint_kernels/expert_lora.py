@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from longstraw.kernels._dispatch import check_launchable, use_triton
-from longstraw.kernels._expert_lora_reference import check_inputs, expert_lora_reference
-from longstraw.kernels._expert_lora_triton import _expert_lora_chain_kernel, _expert_lora_wgrad_kernel
+from mint_kernels._dispatch import check_launchable, use_triton
+from mint_kernels._expert_lora_reference import check_inputs, expert_lora_reference
+from mint_kernels._expert_lora_triton import _expert_lora_chain_kernel, _expert_lora_wgrad_kernel
 
 __all__ = ["expert_lora", "expert_lora_reference"]
 

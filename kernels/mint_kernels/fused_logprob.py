@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from longstraw.kernels._dispatch import check_launchable
-from longstraw.kernels._fused_logprob_reference import check_targets, fused_logprob_reference
+from mint_kernels._dispatch import check_launchable
+from mint_kernels._fused_logprob_reference import check_targets, fused_logprob_reference
 
 __all__ = ["fused_logprob", "fused_logprob_reference"]
 

@@ -1,4 +1,4 @@
-"""Triton kernels for LongStraw, installed as `longstraw.kernels` (never as a top-level `kernels`).
+"""Triton kernels for LongStraw, installed as `mint_kernels` (never as a top-level `kernels`).
 
 Each kernel has Triton kernels, launchers, an autograd.Function and a plain-torch `*_reference` that is also the CPU
 path: one implementation per op on CPU, memory-lean (nothing of size P or T x V saved for backward), and the one the
@@ -46,11 +46,11 @@ Dispatch: CUDA tensors -> Triton, CPU tensors -> reference; force="triton" | "re
 docs/kernels.md for the math, the tiling and how to test and benchmark.
 """
 
-from longstraw.kernels.expert_lora import expert_lora, expert_lora_reference
-from longstraw.kernels.fused_logprob import fused_logprob, fused_logprob_reference
-from longstraw.kernels.latent_attention import latent_prefix_attention, latent_prefix_attention_reference
-from longstraw.kernels.prefix_attention import prefix_attention, prefix_attention_reference
-from longstraw.kernels.sparse_latent_attention import sparse_latent_attention
+from mint_kernels.expert_lora import expert_lora, expert_lora_reference
+from mint_kernels.fused_logprob import fused_logprob, fused_logprob_reference
+from mint_kernels.latent_attention import latent_prefix_attention, latent_prefix_attention_reference
+from mint_kernels.prefix_attention import prefix_attention, prefix_attention_reference
+from mint_kernels.sparse_latent_attention import sparse_latent_attention
 
 __all__ = [
     "expert_lora",

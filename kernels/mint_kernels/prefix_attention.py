@@ -34,9 +34,9 @@ import math
 import torch
 import triton
 
-from longstraw.kernels._dispatch import check_launchable, use_triton
-from longstraw.kernels._prefix_attention_reference import prefix_attention_reference
-from longstraw.kernels._prefix_attention_triton import (
+from mint_kernels._dispatch import check_launchable, use_triton
+from mint_kernels._prefix_attention_reference import prefix_attention_reference
+from mint_kernels._prefix_attention_triton import (
     LOG2E,
     _prefix_attn_bwd_delta_kernel,
     _prefix_attn_bwd_dkdv_kernel,

@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from longstraw.kernels._dispatch import check_launchable, use_triton
-from longstraw.kernels._latent_attention_reference import latent_prefix_attention_reference
-from longstraw.kernels._latent_attention_triton import (
+from mint_kernels._dispatch import check_launchable, use_triton
+from mint_kernels._latent_attention_reference import latent_prefix_attention_reference
+from mint_kernels._latent_attention_triton import (
     LOG2E,
     _latent_bwd_delta_kernel,
     _latent_bwd_dpage_kernel,
