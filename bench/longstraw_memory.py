@@ -193,8 +193,8 @@ def state_sizes(args) -> dict:
 def worker(args) -> dict:
     # LOGIT_BLOCK_ELEMENTS: the block size of the CPU scoring path (fused_logprob_reference); M_score is sized by it.
     from longstraw.engine import UpdateSpec, grpo_update
-    from mint_kernels._fused_logprob_reference import LOGIT_BLOCK_ELEMENTS
     from longstraw.memory import PeakMeter
+    from mint_kernels._fused_logprob_reference import LOGIT_BLOCK_ELEMENTS
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

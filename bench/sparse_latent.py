@@ -38,9 +38,9 @@ import time
 
 import torch
 
-from mint_kernels import latent_prefix_attention, sparse_latent_attention
 from longstraw.memory import GraphMeter
 from mint.models.shapes import shape
+from mint_kernels import latent_prefix_attention, sparse_latent_attention
 
 
 def parse_args() -> argparse.Namespace:

