@@ -105,7 +105,7 @@ clean:
 # the new bytes are this machine's, so rerun the learning tests before committing them (mint/models/tiny_ship.py).
 .PHONY: tiny-bases
 tiny-bases: setup
-	$(BIN)/python -m mint.models.tiny_ship
+	$(BIN)/python -m mint.models.tiny_rebuild
 
 # Rewrite the golden figures (tests/golden/<base>.json) from fresh fixed-seed runs of every tiny base, each run twice
 # and written only when the two agree bit for bit: about 7 minutes on 2 cores. Only after a change meant to move the

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
         checked = preflight(config)  # model, tokenizer, data, reward, stop tokens: before Ray is even imported
         if args.dry_run:  # the layout a run would reserve (docs/multinode.md); no actor, no placement group
-            from mint.train.placement import dry_run
+            from mint.train.nodes import dry_run
 
             print(dry_run(config, checked.longest_prompt, args.gpu_memory))
             return 0

@@ -83,6 +83,33 @@ def _sources():
             yield path, _module_name(path)
 
 
+# Pairs of modules that still import each other (through a function-level import), each with why it is not yet
+# undone. The list may only shrink: a pair that no longer cycles fails the test below until it is taken off.
+KNOWN_CYCLES = {
+    # The DSA twin of the context-parallel MLA adapter builds on this module's classes and is looked up from it.
+    ("longstraw.context_parallel", "longstraw.context_parallel_dsa"),
+    # The schema's sections validate through the rules, which read the schema's types and placeholder table.
+    ("mint.config.rules", "mint.config.schema"),
+    # Preflight calls the rollout actor's prompt and engine helpers; the actor calls preflight's prompt-length and
+    # engine-layout checks. Both sides' helpers are pure code that belongs below both.
+    ("mint.train.preflight", "mint.train.rollout_actor"),
+}
+
+
+def test_no_two_modules_import_each_other():
+    """Two modules that import each other (one of them inside a function, or the import fails) hide a layer that
+    is in the wrong place: a type or helper that both need belongs below both."""
+    modules = {module: path for path, module in _sources()}
+    edges = {
+        module: {name for name in _imports(path) if name in modules and name != module}
+        | {f"{mod}.{name}" for mod, name in _imported_names(path) if name and f"{mod}.{name}" in modules}
+        for module, path in modules.items()
+    }
+    cycles = {tuple(sorted((a, b))) for a in edges for b in edges[a] if a in edges.get(b, ())}
+    assert not cycles - KNOWN_CYCLES, f"modules that import each other: {sorted(cycles - KNOWN_CYCLES)}"
+    assert not KNOWN_CYCLES - cycles, f"no longer cycles, take off KNOWN_CYCLES: {sorted(KNOWN_CYCLES - cycles)}"
+
+
 def test_layers_point_downward():
     bad = []
     for path, module in _sources():

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from longstraw.routing import find_routers
 from mint.errors import ConfigError
-from mint.models import tiny, tiny_ship
+from mint.models import tiny, tiny_rebuild, tiny_ship
 from mint.models.specs import HYBRID_FAMILIES, MLA_FAMILIES, TINY_FAMILIES, moe_layout, tiny_config
 from mint.models.tiny import (
     BUILD_VERSION,
@@ -433,7 +433,7 @@ def test_ship_records_digests_and_drops_stale_keys(tmp_path, monkeypatch):
     )
     (tmp_path / "qwen3_moe-0000000000000000").mkdir()
     (tmp_path / "qwen2_moe-0000000000000000").mkdir()
-    path = tiny_ship.ship("qwen3_moe", str(tmp_path))
+    path = tiny_rebuild.ship("qwen3_moe", str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(path), "qwen2_moe-0000000000000000"])
     manifest = tiny_ship.read_manifest(path)
     assert set(manifest["sha256"]) == set(os.listdir(path)) - {MANIFEST} and tiny_ship.matches(path, manifest["sha256"])

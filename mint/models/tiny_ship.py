@@ -12,7 +12,7 @@ every other file in the folder) and `built_with` (torch, transformers, CPU capab
 copies the folder matching the current recipe key into the cache and checks every digest; it builds only when no
 shipped folder matches the key (a recipe change nobody shipped yet).
 
-Regenerate deliberately, with `make tiny-bases` (`python -m mint.models.tiny_ship`), after any change that moves a
+Regenerate deliberately, with `make tiny-bases` (`python -m mint.models.tiny_rebuild`), after any change that moves a
 build's bytes: TinyRecipe defaults, BUILD_VERSION, `tiny_config`, the tokenizer corpus, the pretraining loop, or a
 transformers upgrade that changes the saved files. The new bytes are this machine's: rerun the learning tests (the
 smoke recipe's reward gain) before committing them, because the starting skill moves with the bytes.
@@ -20,13 +20,11 @@ smoke recipe's reward gain) before committing them, because the starting skill m
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 
 from mint.errors import MintError
@@ -82,7 +80,7 @@ def copy_verified(source: str, directory: str) -> None:
     shutil.copyfile(os.path.join(source, MANIFEST), os.path.join(directory, MANIFEST))
 
 
-def _write_json(path: str, data: dict) -> None:
+def write_json(path: str, data: dict) -> None:
     """Write `path` atomically: a temp file beside it, renamed over it."""
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path))
     try:
@@ -95,7 +93,7 @@ def _write_json(path: str, data: dict) -> None:
         raise
 
 
-def _replace_dir(tmp: str, target: str) -> None:
+def replace_dir(tmp: str, target: str) -> None:
     """Move the finished folder `tmp` to `target`, replacing an old one: rename aside, rename in, then remove."""
     old = None
     if os.path.exists(target):
@@ -104,87 +102,3 @@ def _replace_dir(tmp: str, target: str) -> None:
     os.rename(tmp, target)
     if old is not None:
         shutil.rmtree(old)
-
-
-def ship(family: str, root: str | None = None) -> str:
-    """Build the default recipe of `family` on this machine into `<root>/<family>-<key>` and record its digests.
-
-    Removes the family's other shipped folders (older recipe keys): only the current key is ever used.
-    """
-    import torch
-    import transformers
-
-    from mint.models.tiny import TinyRecipe, build_tiny
-
-    root = root or SHIPPED_DIR
-    recipe = TinyRecipe(family)
-    name = f"{family}-{recipe.key()}"
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root)
-    try:
-        build_tiny(
-            family,
-            tmp,
-            seed=recipe.seed,
-            label_accuracy=recipe.label_accuracy,
-            steps=recipe.steps,
-            calibrate_steps=recipe.calibrate_steps,
-        )
-        os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would travel into the package
-        manifest = read_manifest(tmp)
-        manifest["sha256"] = {f: file_sha256(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp)) if f != MANIFEST}
-        manifest["built_with"] = {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        }
-        _write_json(os.path.join(tmp, MANIFEST), manifest)
-        for entry in os.listdir(tmp):  # safetensors and mkstemp write 0o600: readable by all once installed
-            os.chmod(os.path.join(tmp, entry), 0o644)
-        target = os.path.join(root, name)
-        _replace_dir(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    for entry in os.listdir(root):
-        if entry.startswith(f"{family}-") and entry != name:
-            shutil.rmtree(os.path.join(root, entry))
-    return target
-
-
-def main(argv: list[str] | None = None) -> int:
-    from mint.models.specs import TINY_FAMILIES
-
-    parser = argparse.ArgumentParser(
-        prog="python -m mint.models.tiny_ship",
-        description="Rebuild the shipped tiny bases on this machine (30-60 s per family on 1 thread; the Gated "
-        "DeltaNet hybrids qwen3_5_moe / qwen3_next / qwen3_5 and the MLA families deepseek_v3 / glm4_moe_lite / "
-        "glm_moe_dsa 2-5 min each).",
-    )
-    parser.add_argument("families", nargs="*", default=list(TINY_FAMILIES), help="families to rebuild (default: all)")
-    parser.add_argument("--root", default=SHIPPED_DIR, help="where the shipped folders live")
-    args = parser.parse_args(argv)
-    unknown = sorted(set(args.families) - set(TINY_FAMILIES))
-    if unknown:
-        parser.error(f"unknown tiny families {unknown}; choose from {', '.join(TINY_FAMILIES)}")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for family in args.families:
-        path = ship(family, args.root)
-        manifest = read_manifest(path)
-        sizes = {f: os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path))}
-        print(
-            json.dumps(
-                {
-                    "path": os.path.relpath(path),
-                    "bytes": sum(sizes.values()),
-                    "model.safetensors": manifest["sha256"]["model.safetensors"],
-                    "built_with": manifest["built_with"],
-                    "accuracy_by_task": manifest["accuracy_by_task"],
-                }
-            ),
-            flush=True,
-        )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

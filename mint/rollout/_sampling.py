@@ -6,15 +6,45 @@ not depend on which groups share the batch. `group_seed` derives those generator
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 
-if TYPE_CHECKING:
-    from mint.rollout.engine import SamplingParams
+from mint.errors import ConfigError
 
 SEED_MOD = 2**63
 _MASK64 = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one group is sampled. Validated at construction; stop ids are normalised to a tuple of ints."""
+
+    temperature: float = field(default=1.0, metadata={"help": "softmax temperature; 0 means greedy (argmax)"})
+    top_p: float = field(
+        default=1.0,
+        metadata={"help": "nucleus sampling on softmax(logits / T): keep the smallest top set with mass >= p"},
+    )
+    max_tokens: int = field(default=16, metadata={"help": "most tokens per completion, stop token included"})
+    stop_token_ids: tuple[int, ...] = field(
+        default=(), metadata={"help": "extra ids that end a completion; the model's eos ids always do"}
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise ConfigError(f"sampling.temperature: expected a number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ConfigError(f"sampling.temperature: must be >= 0 (0 = greedy), got {self.temperature}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"sampling.top_p: must be a number in (0, 1], got {self.top_p!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"sampling.max_tokens: must be an int >= 1, got {self.max_tokens!r}")
+        try:
+            stop_ids = tuple(int(t) for t in self.stop_token_ids)
+        except (TypeError, ValueError) as err:
+            msg = f"sampling.stop_token_ids: expected a sequence of ints, got {self.stop_token_ids!r}"
+            raise ConfigError(msg) from err
+        object.__setattr__(self, "stop_token_ids", stop_ids)
 
 
 def group_seed(seed: int, index: int) -> int:

@@ -75,7 +75,7 @@ from mint.errors import ConfigError, MintError
 from mint.models.specs import moe_layout
 from mint.rollout._cache import KVSlab, row_state_columns
 from mint.rollout._indexer import IndexerRecorder, checked_indexers
-from mint.rollout._sampling import group_seed, sample_groups
+from mint.rollout._sampling import SamplingParams, group_seed, sample_groups
 
 # Padded prompt tokens per prefill forward: bounds the prefill's activations and temporary K/V (a 16k-token prompt
 # still goes alone); on CPU, batching short prompts saves the per-forward overhead of each MoE layer's expert loop.
@@ -88,37 +88,6 @@ MAX_BATCH_TOKENS = 2**18
 # Compact the slab once finished groups hold this fraction of its rows: each compaction copies the kept rows' K/V,
 # each step over a dead row costs a forward row; a quarter keeps both small.
 _COMPACT_FRACTION = 0.25
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one group is sampled. Validated at construction; stop ids are normalised to a tuple of ints."""
-
-    temperature: float = field(default=1.0, metadata={"help": "softmax temperature; 0 means greedy (argmax)"})
-    top_p: float = field(
-        default=1.0,
-        metadata={"help": "nucleus sampling on softmax(logits / T): keep the smallest top set with mass >= p"},
-    )
-    max_tokens: int = field(default=16, metadata={"help": "most tokens per completion, stop token included"})
-    stop_token_ids: tuple[int, ...] = field(
-        default=(), metadata={"help": "extra ids that end a completion; the model's eos ids always do"}
-    )
-
-    def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise ConfigError(f"sampling.temperature: expected a number, got {self.temperature!r}")
-        if self.temperature < 0:
-            raise ConfigError(f"sampling.temperature: must be >= 0 (0 = greedy), got {self.temperature}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ConfigError(f"sampling.top_p: must be a number in (0, 1], got {self.top_p!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ConfigError(f"sampling.max_tokens: must be an int >= 1, got {self.max_tokens!r}")
-        try:
-            stop_ids = tuple(int(t) for t in self.stop_token_ids)
-        except (TypeError, ValueError) as err:
-            msg = f"sampling.stop_token_ids: expected a sequence of ints, got {self.stop_token_ids!r}"
-            raise ConfigError(msg) from err
-        object.__setattr__(self, "stop_token_ids", stop_ids)
 
 
 @dataclass

@@ -27,8 +27,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from mint.config import Config
 from mint.errors import MintError
 from mint.train.learner_group import LearnerGroup
-from mint.train.nodes import connect
-from mint.train.placement import Layout, Slot, cluster_nodes, node_name, plan_layout
+from mint.train.nodes import cluster_nodes, connect
+from mint.train.placement import Layout, Slot, node_name, plan_layout
 from mint.train.rollout_fleet import RolloutFleet
 
 # How long the placement group may take to be reserved: the layout was planned on free nodes, so longer means

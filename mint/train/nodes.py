@@ -39,7 +39,7 @@ from ray.runtime_context import get_runtime_context
 
 from mint.config import Config
 from mint.errors import ConfigError, MintError
-from mint.train.placement import node_name
+from mint.train.placement import Node, local_node, memory_plan, node_name, order_nodes, plan_layout
 
 PROBE_PREFIX = ".node-probe-"
 
@@ -296,6 +296,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mint: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     return 0
+
+
+def cluster_nodes() -> list[Node]:
+    """The alive nodes of the Ray cluster this process is connected to, in fill order."""
+    here = get_runtime_context().get_node_id()
+    nodes = [
+        Node(
+            n["NodeID"],
+            node_name(n),
+            float(n["Resources"].get("CPU", 0)),
+            float(n["Resources"].get("GPU", 0)),
+            n["NodeID"] == here,
+        )
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+    return order_nodes(nodes)
+
+
+def dry_run(config: Config, prompt_len: int, gpu_memory: str = "96GB") -> str:
+    """`mint train RECIPE --dry-run`: the layout on the cluster at `ray.address` (read, nothing started), or on the
+    local node a run would start, and the memory plan where one exists. No actor, no placement group."""
+    if config.ray.address:
+        connect(config.ray.address)
+        try:
+            nodes = cluster_nodes()
+        finally:
+            ray.shutdown()
+    else:
+        nodes = [local_node(config)]
+    layout = plan_layout(config, nodes)
+    return f"{layout.table()}\n{memory_plan(config, prompt_len, gpu_memory)}"
 
 
 if __name__ == "__main__":

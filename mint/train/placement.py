@@ -276,26 +276,6 @@ def node_name(entry: dict) -> str:
     return entry.get("NodeName") or entry.get("NodeManagerAddress") or "?"
 
 
-def cluster_nodes() -> list[Node]:
-    """The alive nodes of the Ray cluster this process is connected to, in fill order."""
-    import ray
-    from ray.runtime_context import get_runtime_context
-
-    here = get_runtime_context().get_node_id()
-    nodes = [
-        Node(
-            n["NodeID"],
-            node_name(n),
-            float(n["Resources"].get("CPU", 0)),
-            float(n["Resources"].get("GPU", 0)),
-            n["NodeID"] == here,
-        )
-        for n in ray.nodes()
-        if n.get("Alive")
-    ]
-    return order_nodes(nodes)
-
-
 def local_node(config: Config) -> Node:
     """The one node `mint.train.cluster.start_ray` would start without `ray.address` (for a dry run: nothing starts):
     as many CPUs as the actors reserve, at least the machine's; the GPUs torch sees."""
@@ -333,22 +313,3 @@ def memory_plan(config: Config, prompt_len: int, gpu_memory: str) -> str:
     )
     plan = make_plan(shape(key), key, job, parse_bytes(gpu_memory))
     return f"memory plan per learner GPU ({gpu_memory}, P = the longest checked prompt):\n{plan.table()}"
-
-
-def dry_run(config: Config, prompt_len: int, gpu_memory: str = "96GB") -> str:
-    """`mint train RECIPE --dry-run`: the layout on the cluster at `ray.address` (read, nothing started), or on the
-    local node a run would start, and the memory plan where one exists. No actor, no placement group."""
-    if config.ray.address:
-        import ray
-
-        from mint.train.nodes import connect
-
-        connect(config.ray.address)
-        try:
-            nodes = cluster_nodes()
-        finally:
-            ray.shutdown()
-    else:
-        nodes = [local_node(config)]
-    layout = plan_layout(config, nodes)
-    return f"{layout.table()}\n{memory_plan(config, prompt_len, gpu_memory)}"
