@@ -474,7 +474,7 @@ def _http_actor(world, kind: str, url: str, adapters, tmp_path, **engines) -> Ro
         "logging": {"root": str(tmp_path)},
     }
     config = build_config(tree)
-    return RolloutActor(config, world["base"])
+    return RolloutActor(config, world["base"], urls=[url])
 
 
 def _revision_bytes(world, *refs: str) -> list[bytes]:

@@ -1,8 +1,9 @@
 """RolloutActor: samples G responses per prompt on its rollout backend and scores them with the reward function.
 
 `rollout.backend = builtin`: the actor holds the frozen base plus a LoRA adapter of the same shape as the learner's
-and samples in process. `vllm` / `sglang`: it fronts engine servers (`engines.urls[j::num_actors]` for actor j) and
-holds only the tokenizer; `mint.rollout.backends` speaks their protocols.
+and samples in process. `vllm` / `sglang`: it fronts the engine servers the fleet hands it (actor j: every num_actors-th
+URL from j of `engines.urls`, or of the servers the run started) and holds only the tokenizer; `mint.rollout.backends`
+speaks their protocols.
 
 Weight sync is a revision publish. `load_adapter(id, bytes)` takes the revision's safetensors bytes straight from
 the learner (an object ref: no driver hop), refuses bytes that do not hash to the id the driver admitted, and
@@ -15,6 +16,7 @@ revision again on one engine that was restarted. The rollout fleet (mint.train.r
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +76,7 @@ def stop_token_ids(tokenizer, stop_tokens: list[str]) -> tuple[int, ...]:
 
 
 class RolloutActor:
-    def __init__(self, config: Config, model_path: str, index: int = 0):
+    def __init__(self, config: Config, model_path: str, index: int = 0, urls: Sequence[str] = ()):
         from transformers import AutoTokenizer
 
         from mint.rl.reward_set import RewardSet
@@ -87,7 +89,7 @@ class RolloutActor:
         if config.rollout.backend == "builtin":
             max_positions = self._start_builtin(config, model_path)
         else:
-            max_positions = self._start_http(config, model_path, index)
+            max_positions = self._start_http(config, model_path, index, urls)
         r = config.rollout
         self.params = SamplingParams(
             temperature=r.temperature,
@@ -121,8 +123,9 @@ class RolloutActor:
         self.backend = BuiltinBackend(self.engine)
         return self.model.config.max_position_embeddings
 
-    def _start_http(self, config: Config, model_path: str, index: int) -> int:
-        """Engine servers that already run: health-checked here, so a dead one stops the run with one line."""
+    def _start_http(self, config: Config, model_path: str, index: int, urls: Sequence[str]) -> int:
+        """The engine servers at `urls` (the fleet hands actor j its share), which already run: health-checked here,
+        so a dead one stops the run with one line."""
         from transformers import AutoConfig
 
         from mint.config import run_dir
@@ -133,9 +136,7 @@ class RolloutActor:
         r, e = config.rollout, config.engines
         model_config = AutoConfig.from_pretrained(model_path)
         self.model = self.engine = None
-        self.backend = http_backend(
-            r.backend, e.urls[index :: r.num_actors], moe_layout(model_config), e.request_timeout
-        )
+        self.backend = http_backend(r.backend, urls, moe_layout(model_config), e.request_timeout)
         self.adapter_root = Path(e.adapter_dir or run_dir(config) / "engine_adapters") / f"actor_{index}"
         self.adapter_config = engine_adapter_config(config, model_config, model_path)
         self.adapter_meta = {

@@ -21,7 +21,6 @@ middle of it.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -57,7 +56,8 @@ class RolloutCall:
 
 
 class RolloutFleet:
-    """The rollout actors (`actors[j]` fronts engines.urls[j::num_actors]) and the engine servers the run started."""
+    """The rollout actors (`actors[j]` fronts urls[j::num_actors] of the engines) and the engine servers the run
+    started."""
 
     def __init__(self, actors: list, engines: EngineServers | None = None):
         self.actors = actors
@@ -74,20 +74,18 @@ class RolloutFleet:
     def start(cls, config: Config, model_path: str, run_dir, options: list[dict], paths: list[str]) -> RolloutFleet:
         """Start the engine servers (engines.start), then one rollout actor per entry of `options` (Ray options
         placing it in its bundle), actor j loading from `paths[j]`, without waiting for the actors (`locate`)."""
-        engines, rollout_config = None, config
-        if config.engines.start:  # the actors then see the servers' URLs, exactly as servers that already run
+        engines, urls = None, list(config.engines.urls)
+        if config.engines.start:  # the actors then front the servers' URLs, exactly as servers that already run
             engines = EngineServers.start(config, model_path, run_dir)
             urls = list(engines.urls)
-            rollout_config = dataclasses.replace(
-                config, engines=dataclasses.replace(config.engines, start=0, urls=urls)
-            )
         # max_task_retries=-1: a call caught by a restart is rerun on the restarted actor (a rollout then refuses with
         # StaleRevision until the fleet has loaded the current revision into it again).
         restarts = config.rollout.max_restarts
         remote = ray.remote(max_restarts=restarts, max_task_retries=-1 if restarts else 0)(RolloutActor)
         fleet = cls([], engines)
         try:
-            fleet.actors = [remote.options(**options[j]).remote(rollout_config, paths[j], j) for j in range(len(paths))]
+            n = config.rollout.num_actors  # actor j fronts urls[j::n]: every engine one actor
+            fleet.actors = [remote.options(**options[j]).remote(config, paths[j], j, urls[j::n]) for j in range(n)]
         except BaseException:
             fleet.close()
             raise
