@@ -30,7 +30,7 @@ from transformers import AutoConfig
 from mint.config import load_config
 from mint.models.specs import moe_layout, tiny_config
 from mint.rollout.backends.base import decode_int32, decode_npy, split_routes
-from mint.train.engine_servers import launch_argv, lora_modules
+from mint.train.engine_launch import launch_argv, lora_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "engine_scripts"

@@ -36,7 +36,8 @@ from mint.hub.catalog import Catalog
 from mint.rollout.backends import EngineError
 from mint.train import engine_servers
 from mint.train.driver import train
-from mint.train.engine_servers import EngineServer, launch_argv
+from mint.train.engine_launch import launch_argv
+from mint.train.engine_servers import EngineServer
 
 ROOT = Path(__file__).resolve().parents[1]
 

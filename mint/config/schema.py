@@ -78,7 +78,7 @@ class DataConfig:
     )
 
 
-# What engines.command may name (mint.train.engine_servers.launch_argv fills them).
+# What engines.command may name (mint.train.engine_launch.launch_argv fills them).
 ENGINE_PLACEHOLDERS = (
     "python", "model", "host", "port", "tp", "dtype", "max_lora_rank", "lora_modules", "routed_experts", "adapter_dir",
     "index",

@@ -35,7 +35,7 @@ from mint.errors import ConfigError, DataError, MintError, RewardError
 from mint.rl.data import Dataset, FileDataset, eval_examples, load_dataset
 from mint.rl.reward_set import RewardSet
 from mint.rl.tasks import Example
-from mint.train.engine_servers import check_launch
+from mint.train.engine_launch import check_launch
 
 # Synthetic tasks are endless: the first batches of the run's own stream stand for the rest.
 SYNTHETIC_BATCHES = 4
