@@ -370,7 +370,7 @@ class CPMlaAdapter(ContextParallel, MlaAdapter):
 
 
 def as_context_parallel(adapter: Adapter, group=None) -> Adapter:
-    """The context-parallel twin of a QwenAdapter-family adapter (QwenAdapter, GlmAdapter): same modules and
+    """The context-parallel twin of a QwenAdapter-family adapter (QwenAdapter and its subclasses): same modules and
     settings (shared, not copied), pages split over `group`."""
     if isinstance(adapter, ContextParallel):
         twin = type(adapter).__new__(type(adapter))

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 def _plan(args) -> int:
     """`mint plan`: print the per-GPU budget table; exit 0 when it fits, 1 when it does not."""
     from mint.config import load_config
-    from mint.models.plan import HUB_IDS, Job, largest_prompt, make_plan, parse_bytes
+    from mint.models.plan import Job, hub_shape, largest_prompt, make_plan, parse_bytes
     from mint.models.shapes import layer_config, shape
     from mint.train.preflight import check_expert_parallel
 
@@ -140,7 +140,7 @@ def _plan(args) -> int:
         "longstraw.context_parallel": args.context_parallel,
     }
     config = load_config(args.recipe, [*args.overrides, *(f"{k}={v}" for k, v in layout.items() if v is not None)])
-    key = args.shape or HUB_IDS.get(config.model.path)
+    key = args.shape or hub_shape(config.model.path)
     if key is None:
         raise ConfigError(f"model.path {config.model.path!r} is not a known real base; pass --shape")
     real = shape(key)

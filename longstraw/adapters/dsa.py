@@ -36,11 +36,13 @@ from torch import nn
 import mint_kernels as kernels
 from longstraw.adapters.mla import LatentState, MlaAdapter
 from longstraw.adapters.qwen import KVPrefix
+from longstraw.errors import LongStrawError
 
-FAMILIES = ("deepseek_v32", "glm_moe_dsa")
-# The indexer's RoPE layout per family, as transformers implements them: DeepSeek-V3.2's indexer rotates halves
-# (its MLA attention interleaves), GLM-5's interleaves like its attention.
-_INDEXER_ROPE = {"deepseek_v32": "apply_rotary_pos_emb", "glm_moe_dsa": "apply_rotary_pos_emb_interleave"}
+# The RoPE layout each indexer class applies to its keys, keyed by the module's class as router_rules keys routers:
+# DeepSeek-V3.2's indexer rotates halves (its MLA attention interleaves), GLM-5's interleaves like its attention.
+# Nothing on the module or its config says which (transformers hard-codes the call), so a new indexer class is
+# refused until it is listed here, after reading its forward.
+INDEXER_ROPE = {"DeepseekV32Indexer": "apply_rotary_pos_emb", "GlmMoeDsaIndexer": "apply_rotary_pos_emb_interleave"}
 # Index scores [B, queries, heads, keys] per block of queries: about 2^22 fp32 (16 MiB), at least one query (64 heads
 # x 128k keys: 32 MiB).
 _SCORE_BLOCK_ELEMENTS = 1 << 22
@@ -87,7 +89,6 @@ class DsaState(LatentState):
 
 
 class DsaAdapter(MlaAdapter):
-    families = FAMILIES
     pages = DsaState
 
     def __init__(self, model: nn.Module):
@@ -95,7 +96,12 @@ class DsaAdapter(MlaAdapter):
         # Layer -> its slot in the indexer pages; a shared layer (GLM-5) has none and reads the previous selection.
         self.index_slot = {}
         for i, layer in enumerate(self.decoder.layers):
-            if getattr(layer.self_attn, "indexer", None) is not None:
+            indexer = getattr(layer.self_attn, "indexer", None)
+            if indexer is not None:
+                if type(indexer).__name__ not in INDEXER_ROPE:
+                    raise LongStrawError(
+                        f"no indexer RoPE layout for {type(indexer).__name__}; known: {', '.join(sorted(INDEXER_ROPE))}"
+                    )
                 self.index_slot[i] = len(self.index_slot)
         self.index_dim = self.config.index_head_dim
 
@@ -111,7 +117,7 @@ class DsaAdapter(MlaAdapter):
         return torch.cat([k_rot, k_pass], dim=-1).squeeze(2).reshape(*lead, t, self.index_dim)
 
     def _index_rope(self, attn, q, k, cos, sin):
-        apply = getattr(sys.modules[type(attn).__module__], _INDEXER_ROPE[self.config.model_type])
+        apply = getattr(sys.modules[type(attn).__module__], INDEXER_ROPE[type(attn.indexer).__name__])
         return apply(q, k, cos[None], sin[None], unsqueeze_dim=2)
 
     def _candidates(self, attn, x, cos, sin, keys, positions, start: int, k: int):

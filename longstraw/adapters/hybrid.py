@@ -30,11 +30,9 @@ from torch import nn
 
 from longstraw.adapters.base import KVState, LayeredState, RecurrentState
 from longstraw.adapters.gated_deltanet import DeltaNetDims, DeltaNetPrefix, deltanet, is_deltanet
-from longstraw.adapters.glm import _partial_rope
-from longstraw.adapters.qwen import _FORCE, KVPrefix, QwenAdapter, surrogate_backward
+from longstraw.adapters.qwen import _FORCE, KVPrefix, QwenAdapter, _rope, surrogate_backward
 from longstraw.errors import LongStrawError
 
-FAMILIES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen3_5", "qwen3_5_text")
 FULL, LINEAR = "full_attention", "linear_attention"
 
 
@@ -50,14 +48,11 @@ class _GatedOutput:
 
 
 class HybridQwenAdapter(QwenAdapter):
-    families = FAMILIES
     batched_replay = True
 
     def __init__(self, model: nn.Module):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = base.config
-        if config.model_type not in self.families:
-            raise LongStrawError(f"{type(self).__name__} does not cover model_type {config.model_type!r}")
         self.layer_types = list(config.layer_types)
         unknown = sorted(set(self.layer_types) - {FULL, LINEAR})
         if unknown:
@@ -86,7 +81,7 @@ class HybridQwenAdapter(QwenAdapter):
         q = attn.q_norm(query).transpose(-3, -2)
         k = attn.k_norm(attn.k_proj(x_T_Hd).view(*lead, t, self.num_kv_heads, self.head_dim)).transpose(-3, -2)
         v = attn.v_proj(x_T_Hd).view(*lead, t, self.num_kv_heads, self.head_dim).transpose(-3, -2)
-        q, k = _partial_rope(q, cos, sin), _partial_rope(k, cos, sin)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         return q.unflatten(-3, (self.num_kv_heads, self.groups)), k, v, gate.reshape(*lead, t, -1)
 
     def _layer(self, layer: nn.Module, h, cos, sin, prefix, constant_rows: int, state_only: bool):

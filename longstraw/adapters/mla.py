@@ -33,10 +33,8 @@ from torch import nn
 import mint_kernels as kernels
 from longstraw.adapters.base import KVState
 from longstraw.adapters.qwen import _FORCE, KVPrefix, QwenAdapter
-from longstraw.errors import LongStrawError
 
 # deepseek_v32 and glm_moe_dsa add DSA's indexer on top of this attention: longstraw.adapters.dsa.
-FAMILIES = ("deepseek_v3", "glm4_moe_lite")
 
 
 @dataclass
@@ -78,15 +76,12 @@ def lora_parts(linear: nn.Module) -> tuple[torch.Tensor, list[tuple[torch.Tensor
 
 
 class MlaAdapter(QwenAdapter):
-    families = FAMILIES
     batched_replay = True
     pages = LatentState
 
     def __init__(self, model: nn.Module):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = base.config
-        if config.model_type not in self.families:
-            raise LongStrawError(f"{type(self).__name__} does not cover model_type {config.model_type!r}")
         self.config = config
         self.decoder = base.model
         self.lm_head = base.lm_head

@@ -1,9 +1,17 @@
-"""Qwen3-MoE, Qwen2-MoE (shared expert) and dense Qwen3 / Qwen2 decoders in transformers 5.x.
+"""Softmax-attention decoders with q/k/v projections (GQA or MHA) in transformers 5.x: Qwen3-MoE, Qwen2-MoE (shared
+expert), dense Qwen3 / Qwen2, GLM-4.5 (`glm4_moe`), and any family whose attention module has the same parts.
 
 The layer math mirrors transformers' eager path exactly: pre-norm residual blocks; attention with q/k RMSNorm on the
-head dim (Qwen3 families), RoPE from the model's own rotary module at absolute positions, GQA with query head
-h = kv * G + g; then the block's own MLP module (routed experts, plus the gated shared expert for Qwen2-MoE), called
-as a module so PEFT LoRA on fused experts and router hooks stay live.
+head dim where the module has one (`q_norm`; GLM's `use_qk_norm` can switch it off), RoPE from the model's own rotary
+module at absolute positions, over the whole head or, where the rotary module covers fewer dims (GLM's
+`partial_rotary_factor`), over the first ones with the rest passed through; GQA with query head h = kv * G + g; then
+the block's own MLP module (routed experts, plus a shared expert where the family has one; dense below GLM's
+`first_k_dense_replace`), called as a module so PEFT LoRA on fused experts and router hooks stay live. q/k/v biases
+(Qwen2, GLM's `attention_bias`) are live through the projection modules. The head dim is read from the attention
+module (GLM-4.5-Air: 128, not hidden / heads = 4096 / 96).
+
+Everything here is asked of the modules, not of a family name: a new family whose attention has these parts needs no
+change here (`longstraw.adapters.adapter_for`).
 """
 
 from __future__ import annotations
@@ -19,8 +27,6 @@ from longstraw.adapters.base import Adapter, KVState
 from longstraw.errors import LongStrawError
 from longstraw.scoring import token_logprobs
 
-QK_NORM_FAMILIES = ("qwen3_moe", "qwen3")
-FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3", "qwen2")
 # Adapter.kernels -> mint_kernels' `force`: auto dispatches by device (Triton on CUDA, the torch reference on CPU).
 _FORCE = {"auto": None, "on": "triton", "off": "reference"}
 
@@ -53,16 +59,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rope(x_H_T_D: torch.Tensor, cos_T_R: torch.Tensor, sin_T_R: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first R dims of the head dim, as transformers' `apply_rotary_pos_emb`: x[..., :R] * cos +
+    rotate_half(x[..., :R]) * sin, and x[..., R:] as is. R is the rotary module's width: the whole head for Qwen,
+    a part of it under `partial_rotary_factor` (GLM-4.5, the gated attention of Qwen3.5 / Qwen3-Next)."""
+    rotary = cos_T_R.shape[-1]
+    if rotary == x_H_T_D.shape[-1]:
+        return x_H_T_D * cos_T_R + _rotate_half(x_H_T_D) * sin_T_R
+    x_rot, x_pass = x_H_T_D[..., :rotary], x_H_T_D[..., rotary:]
+    return torch.cat([x_rot * cos_T_R + _rotate_half(x_rot) * sin_T_R, x_pass], dim=-1)
+
+
 class QwenAdapter(Adapter):
-    families = FAMILIES  # a subclass for another family names its own and overrides the per-family pieces
     batched_replay = True
     pages = KVState  # the prefix state's type (MLA: LatentState, one tensor serving as key and value)
 
     def __init__(self, model: nn.Module):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = base.config
-        if config.model_type not in self.families:
-            raise LongStrawError(f"{type(self).__name__} does not cover model_type {config.model_type!r}")
         layer_types = getattr(config, "layer_types", None) or []
         if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
             raise LongStrawError("sliding-window attention is not supported by LongStraw yet")
@@ -76,11 +90,17 @@ class QwenAdapter(Adapter):
         self.qk_norm = self._uses_qk_norm(config)
         self.num_layers = len(self.decoder.layers)
 
+    def _attention(self) -> nn.Module:
+        """The first softmax-attention module: the one every capability below is read from."""
+        return next(layer.self_attn for layer in self.decoder.layers if hasattr(layer, "self_attn"))
+
     def _head_dim(self, config) -> int:
-        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # As the attention module resolved it: config.head_dim, else hidden / heads.
+        return getattr(self._attention(), "head_dim", None) or config.hidden_size // config.num_attention_heads
 
     def _uses_qk_norm(self, config) -> bool:
-        return config.model_type in QK_NORM_FAMILIES
+        attn = self._attention()
+        return hasattr(attn, "q_norm") and bool(getattr(attn, "use_qk_norm", True))
 
     # -- pieces --------------------------------------------------------------------------------------------------
 
@@ -105,8 +125,7 @@ class QwenAdapter(Adapter):
         """q [..., H_kv, G, T, D], k/v [..., H_kv, T, D] for normed inputs x [..., T, Hd] (k-norm and RoPE applied);
         the leading dims are the replay's micro-batch rows (none for one sequence)."""
         q, k, v = self._projections(attn, x_T_Hd)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         return q.unflatten(-3, (self.num_kv_heads, self.groups)), k, v
 
     def _attend(self, attn: nn.Module, q, k, v, prefix: KVPrefix) -> torch.Tensor:

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mint.errors import ConfigError
+from mint.models import families
 from mint.models.shapes import RealShape
 
 MEASURED = Path(__file__).parent / "measured"
@@ -355,19 +356,6 @@ def parse_bytes(text: str) -> int:
         raise ConfigError(f"--gpu-memory: {text!r} is not a size like 96GB") from None
 
 
-# Hub ids a recipe may name, mapped to their real shape.
-HUB_IDS = {
-    "Qwen/Qwen3-30B-A3B": "qwen3_30b_a3b",
-    "Qwen/Qwen3-30B-A3B-Base": "qwen3_30b_a3b",
-    "Qwen/Qwen3-235B-A22B": "qwen3_235b_a22b",
-    "zai-org/GLM-4.5-Air": "glm45_air",
-    "Qwen/Qwen3.5-35B-A3B": "qwen35_35b_a3b",
-    "Qwen/Qwen3.5-122B-A10B": "qwen35_122b_a10b",
-    "Qwen/Qwen3.5-397B-A17B": "qwen35_397b_a17b",
-    "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3_next_80b_a3b",
-    "Qwen/Qwen3-Next-80B-A3B-Thinking": "qwen3_next_80b_a3b",
-    "deepseek-ai/DeepSeek-V3.2": "deepseek_v32",
-    "zai-org/GLM-4.7-Flash": "glm47_flash",
-    "zai-org/GLM-5": "glm5",
-    "moonshotai/Kimi-K2.5": "kimi_k25",
-}
+def hub_shape(model_path: str) -> str | None:
+    """The real shape (mint.models.shapes) of a hub id a recipe may name, from the family registry's entries."""
+    return families.hub_shapes().get(model_path)

@@ -27,18 +27,18 @@ from transformers import (
 
 from longstraw.routing import ExpertLayout
 from mint.errors import ConfigError
+from mint.models import families
 
 TINY_PREFIX = "tiny:"
-TINY_FAMILIES = (
-    "qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3", "qwen3_5_moe", "qwen3_next", "qwen3_5",
-    "deepseek_v3", "glm4_moe_lite", "glm_moe_dsa",
-)  # fmt: skip
-HYBRID_FAMILIES = ("qwen3_5_moe", "qwen3_next", "qwen3_5")  # Gated DeltaNet + gated full attention, 3:1
+# The released families' tables, read off the registry (mint.models.families); code that must also see a family
+# registered later asks the registry itself.
+TINY_FAMILIES = families.names(tiny=True)
+HYBRID_FAMILIES = families.names("hybrid")  # Gated DeltaNet + gated full attention, 3:1
 # Multi-head latent attention MoE (DeepSeek-V3, GLM-4.7-Flash; with DSA: DeepSeek-V3.2, GLM-5). Three are shipped
 # tiny bases (TINY_FAMILIES); deepseek_v32 is a config only (tests build it at random): it differs from glm_moe_dsa
 # only by the indexer's RoPE layout (half-split, not interleaved) and by running an indexer in every layer, which the
 # random-base tests cover, so a fourth pretrained MLA base would add build time and package bytes and no case.
-MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
+MLA_FAMILIES = families.names("mla") + families.names("dsa")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,14 +71,13 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
     Sizes are chosen so a CPU builds, pretrains and RL-trains one in seconds (the hybrids in minutes: without the
     fused kernels transformers runs Gated DeltaNet in plain torch).
     """
-    if family in HYBRID_FAMILIES:
-        return _tiny_hybrid(family, vocab_size, **overrides)
-    if family in MLA_FAMILIES:
-        return _tiny_mla(family, vocab_size, **overrides)
-    if family == "glm4_moe":
-        return _tiny_glm4_moe(vocab_size, **overrides)
-    if family == "qwen3":
-        return _tiny_qwen3(vocab_size, **overrides)
+    build = TINY_CONFIGS.get(family)
+    if build is None or family not in families.FAMILIES:
+        raise ConfigError(f"model.path: unknown tiny family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
+    return build(family, vocab_size, **overrides)
+
+
+def _tiny_qwen_moe(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -98,13 +97,11 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
     common.update(overrides)
     if family == "qwen3_moe":
         return Qwen3MoeConfig(**{"head_dim": 16, **common})  # head_dim=32 serves on vLLM's CPU attention
-    if family == "qwen2_moe":
-        common.setdefault("shared_expert_intermediate_size", 64)
-        return Qwen2MoeConfig(**common)
-    raise ConfigError(f"model.path: unknown tiny family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
+    common.setdefault("shared_expert_intermediate_size", 64)
+    return Qwen2MoeConfig(**common)
 
 
-def _tiny_qwen3(vocab_size: int, **overrides) -> Qwen3Config:
+def _tiny_qwen3(family: str, vocab_size: int, **overrides) -> Qwen3Config:
     config = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -151,7 +148,7 @@ def _tiny_hybrid(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
     return cls(**config)
 
 
-def _tiny_glm4_moe(vocab_size: int, **overrides) -> Glm4MoeConfig:
+def _tiny_glm4_moe(family: str, vocab_size: int, **overrides) -> Glm4MoeConfig:
     config = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -253,11 +250,23 @@ def _tiny_mla(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
     return classes[family](**config)
 
 
+# Each tiny family's config builder (family, vocab_size, **overrides) -> config, keyed by the registry's names. A new
+# family of an existing kind adds its entry to mint.models.families and its builder here.
+TINY_CONFIGS = {
+    "qwen3_moe": _tiny_qwen_moe,
+    "qwen2_moe": _tiny_qwen_moe,
+    "glm4_moe": _tiny_glm4_moe,
+    "qwen3": _tiny_qwen3,
+    **dict.fromkeys(HYBRID_FAMILIES, _tiny_hybrid),
+    **dict.fromkeys(MLA_FAMILIES, _tiny_mla),
+}
+
+
 # Vision-language checkpoints whose text model Mint trains: config.json model_type -> the text model's. The released
 # Qwen3.5 and Qwen3.5-MoE checkpoints are these (Qwen3_5{Moe}ForConditionalGeneration, weights model.language_model.*
 # and model.visual.*). AutoModelForCausalLM maps them to the text CausalLM (Qwen3_5{Moe}ForCausalLM), whose config is
 # the checkpoint's text_config and which reads model.language_model.* as its model.* and leaves model.visual.* unread.
-VLM_TEXT_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5": "qwen3_5_text", "kimi_k25": "deepseek_v3"}
+VLM_TEXT_MODEL_TYPES = {w.model_type: f.model_type for f in families.FAMILIES.values() for w in f.wrappers}
 # Those that AutoModelForCausalLM maps to no class: the text_config's CausalLM loads with these renamings (regex ->
 # replacement, applied in order) of the checkpoint's keys; the vision tower's keys match no parameter and are not read.
 # Kimi-K2.5 (Kimi_K25ForConditionalGeneration, text_config deepseek_v3) as released: language_model.model.* and

@@ -292,10 +292,10 @@ def local_node(config: Config) -> Node:
 def memory_plan(config: Config, prompt_len: int, gpu_memory: str) -> str:
     """The per-GPU memory plan of a learner rank (mint.models.plan) for a base with known real shapes, else a line
     saying why there is none."""
-    from mint.models.plan import HUB_IDS, Job, make_plan, parse_bytes
+    from mint.models.plan import Job, hub_shape, make_plan, parse_bytes
     from mint.models.shapes import shape
 
-    key = HUB_IDS.get(config.model.path)
+    key = hub_shape(config.model.path)
     if key is None:
         return f"memory plan: none for {config.model.path} (not a known real base; `mint plan --shape` sizes one)"
     job = Job(
