@@ -17,8 +17,6 @@ from mint.config import LoraConfig
 from mint.errors import MintError
 from mint.hub.catalog import Catalog
 from mint.hub.export import (
-    MLA_FAMILIES,
-    PER_EXPERT_FAMILIES,
     engine_layout,
     export,
     export_peft,
@@ -30,7 +28,7 @@ from mint.hub.export import (
 )
 from mint.hub.integrity import verify_catalog
 from mint.hub.revisions import ADAPTER_FILE, CONFIG_FILE, base_fingerprint, read_revision_dir, revision_id
-from mint.models import specs
+from mint.models import families, specs
 from mint.models.expert_lora import factor_experts
 from mint.models.lora import adapter_config_dict, add_lora, load_lora_state, lora_state, peft_config
 from mint.models.specs import load_model, moe_layers, moe_layout, tiny_config
@@ -215,9 +213,7 @@ def test_mla_expert_lora_splits_per_expert_and_serves_the_same_model(family, tmp
     trained model's logits (so their fused gate_up rows are [gate; up]). vLLM and SGLang get per-expert; kv_b_proj,
     whose LoRA vLLM's absorbed MLA decode drops, is refused for vLLM in one line (and not for SGLang, which folds it
     into its absorbed path); without it vLLM gets per-expert. What is written reads back as the trained revision."""
-    assert (
-        family in MLA_FAMILIES and MLA_FAMILIES == specs.MLA_FAMILIES and set(MLA_FAMILIES) <= set(PER_EXPERT_FAMILIES)
-    )
+    assert family in specs.MLA_FAMILIES and families.FAMILIES[family].experts
     base = build_random_tiny(family, str(tmp_path / "base"))
     _assert_split_is_exact_and_serves_the_same_model(base, tmp_path, LoraConfig(target_modules=MLA_TARGETS))
     with Catalog(tmp_path / "catalog") as cat:
@@ -268,10 +264,10 @@ def test_engine_adapter_dirs_read_back_as_the_trained_revision(random_tiny_path,
 
 
 def test_engine_layout_follows_what_each_engine_reads():
-    """auto: the layout `ENGINE_EXPERT_LAYOUTS` gives the engine for the base's family when the experts carry LoRA
-    (per-expert for Qwen-MoE and GLM-MoE on vLLM and SGLang; `mint serve` reads both and gets the trained one), peft
-    without expert LoRA; an explicit layout the engine cannot read, an unknown engine or an unknown layout is one
-    line. The expert metadata (a meta skeleton of the base) is built once per pair of configs."""
+    """auto: the layout the family registry (mint.models.families) gives the engine for the base's family when the
+    experts carry LoRA (per-expert for Qwen-MoE and GLM-MoE on vLLM and SGLang; `mint serve` reads both and gets the
+    trained one), peft without expert LoRA; an explicit layout the engine cannot read, an unknown engine or an
+    unknown layout is one line. The expert metadata (a meta skeleton of the base) is built once per pair of configs."""
     from mint.hub.export import _EXPERT_LORAS
 
     def adapter(config, experts: bool) -> dict:
@@ -301,9 +297,11 @@ def test_engine_layout_follows_what_each_engine_reads():
         engine_layout("merged", adapter(qwen, True), qwen)
 
 
-def test_engine_layout_per_expert_refused_where_the_split_does_not_apply():
-    """A family outside the table whose experts carry LoRA (here a 4-expert OLMoE): auto keeps the trained layout,
-    and an explicit per-expert is one line, since `split_experts` does not know its gate/up order."""
+def test_engine_layout_auto_refuses_a_family_without_a_registry_entry():
+    """A family outside the registry whose experts carry LoRA (here a 4-expert OLMoE): `auto` used to write PEFT's
+    fused layout there without a word, the guess that once broke GLM on both engines; now it is refused in one line
+    that says what to set. An explicit peft stands (the user read the engine's loader); an explicit per-expert is
+    one line too, since `split_experts` does not know its gate/up order."""
     from transformers import OlmoeConfig
 
     olmoe = OlmoeConfig(
@@ -312,11 +310,12 @@ def test_engine_layout_per_expert_refused_where_the_split_does_not_apply():
     )  # fmt: skip
     lora = peft_config(LoraConfig(), olmoe).to_dict()
     lora = {k: sorted(v) if isinstance(v, set) else v for k, v in lora.items()}
-    assert engine_layout("auto", lora, olmoe) == "peft"
-    with pytest.raises(
-        MintError,
-        match=r"per-expert knows the layout of qwen2_moe, .*, qwen3_5_moe_text, deepseek_v3, .*, not olmoe",
-    ):
+    for engine in ("vllm", "sglang", "mint"):
+        with pytest.raises(MintError, match=f"{engine}: no expert-LoRA layout is known for olmoe") as err:
+            engine_layout("auto", lora, olmoe, engine=engine)
+        assert "\n" not in str(err.value) and "engines.adapter_layout" in str(err.value)
+        assert engine_layout("peft", lora, olmoe, engine=engine) == "peft"
+    with pytest.raises(MintError, match=r"per-expert knows the fused expert layout of registered families, not olmoe"):
         engine_layout("per-expert", lora, olmoe)
 
 

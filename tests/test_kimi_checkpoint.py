@@ -39,7 +39,6 @@ from longstraw.scoring import token_logprobs
 from mint.config import LoraConfig, load_config
 from mint.errors import ConfigError, MintError
 from mint.hub.export import (
-    ENGINE_REFUSED_FAMILIES,
     engine_layout,
     expert_loras,
     lora_size,
@@ -47,6 +46,7 @@ from mint.hub.export import (
     write_adapter_dir,
 )
 from mint.hub.revisions import revision_id
+from mint.models import families
 from mint.models.lora import adapter_config_dict, add_lora, load_lora_state, lora_state
 from mint.models.specs import causal_lm_config, load_model, moe_layout, tiny_config
 from mint.models.tiny import build_tokenizer
@@ -351,7 +351,7 @@ print(json.dumps({arch: supports_lora(ModelRegistry.models[arch].load_model_cls(
 
 @pytest.mark.slow
 def test_vllm_kimi_class_supports_no_lora(engine_python, tmp_path):
-    """The reason `ENGINE_REFUSED_FAMILIES` refuses kimi_k25 for vLLM, asked of vLLM's own code: the class its
+    """Why the family registry refuses kimi_k25 for vLLM (`engine_refusal`), asked of vLLM's own code: the class its
     registry gives the released checkpoint's architecture fails `supports_lora`, the check its LoRA model runner
     makes before --enable-lora can start ("does not support LoRA yet"). DeepSeek-V3's CausalLM, the same decoder,
     passes it (so the probe can tell). When vLLM adds LoRA to the Kimi class this fails: revisit the refusal."""
@@ -363,6 +363,6 @@ def test_vllm_kimi_class_supports_no_lora(engine_python, tmp_path):
     supports = json.loads(proc.stdout.strip().splitlines()[-1])
     assert supports["DeepseekV3ForCausalLM"] is True
     assert supports["KimiK25ForConditionalGeneration"] is False, (
-        "vLLM's KimiK25ForConditionalGeneration supports LoRA now: revisit ENGINE_REFUSED_FAMILIES['vllm']"
+        "vLLM's KimiK25ForConditionalGeneration supports LoRA now: revisit kimi_k25's refusal in mint.models.families"
     )
-    assert "kimi_k25" in ENGINE_REFUSED_FAMILIES["vllm"]
+    assert families.engine_refusal("vllm", "kimi_k25")

@@ -43,8 +43,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from mint.config import LoraConfig
 from mint.errors import MintError
-from mint.hub.export import ENGINE_EXPERT_LAYOUTS, ENGINE_LAYOUTS, engine_layout, merged_model, write_adapter_dir
+from mint.hub.export import ENGINE_LAYOUTS, engine_layout, merged_model, write_adapter_dir
 from mint.hub.revisions import revision_id
+from mint.models.families import engine_layouts
 from mint.models.lora import adapter_config_dict, add_lora, load_lora_state, lora_state
 from mint.models.specs import moe_layers, tiny_config
 
@@ -249,7 +250,7 @@ def test_vllm_loads_the_layout_mint_writes_for_it_as_trained(vllm_loads, family)
     assert case["chosen"] == ("per-expert" if family in MOE else "peft")  # the MoE VLM: 3-D experts, peft
     if family in MOE:  # the 2-D MoE LoRA wrapper, which is why per-expert is the layout it reads
         assert not case["vllm"]["is_3d_moe_weight"]
-        assert ENGINE_EXPERT_LAYOUTS["vllm"][family] == ("per-expert",)
+        assert engine_layouts("vllm", family) == ("per-expert",)
         experts = [m for m, cls in case["vllm"]["wrappers"].items() if m.endswith(".mlp.experts")]
         assert experts and all(case["vllm"]["wrappers"][m] == "FusedMoEWithLoRA" for m in experts)
     _assert_holds_as_trained(case, load_file(record["dump"]))
@@ -322,7 +323,7 @@ def test_vllm_vlm_class_holds_the_adapter_mint_writes_on_a_vlm_checkpoint(vllm_l
     case = vllm_loads[family]
     moe = family == "qwen3_5_moe"
     assert case["vllm"]["model_class"] == f"Qwen3_5{'Moe' if moe else ''}ForConditionalGeneration"
-    assert case["vllm"]["is_3d_moe_weight"] == moe and ENGINE_EXPERT_LAYOUTS["vllm"].get(family, ("peft",)) == ("peft",)
+    assert case["vllm"]["is_3d_moe_weight"] == moe and (engine_layouts("vllm", family) or ("peft",))[0] == "peft"
     experts = [m for m, cls in case["vllm"]["wrappers"].items() if m.endswith(".mlp.experts")]
     assert all(case["vllm"]["wrappers"][m] == "FusedMoE3DWithLoRA" for m in experts) and len(experts) == 4 * moe
     assert case["chosen"] == "peft"

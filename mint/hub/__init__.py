@@ -12,7 +12,6 @@ server (`mint.serve`, which reads revisions through these names).
     read_revision_dir(path)       a revision directory's tensors and metadata, hash-verified
     write_revision_dir(path, ...) write one (PEFT layout, atomically)
     engine_layout(..., engine)    the layout that engine reads for the base's family: peft or per-expert
-    ENGINE_REFUSED_FAMILIES       engine -> {family: why it is handed no adapter on that base}
     write_adapter_dir(path, ...)  a revision in that layout, atomically: what a rollout actor hands its engine
     read_adapter_dir(path, cfg)   either layout back in the trained one, hash-checked (what `mint serve` loads)
     check_base(meta, base_path)   refuse a base whose fingerprint differs from the revision's
@@ -50,7 +49,6 @@ _EXPORTS = {
     "export": "mint.hub.export",
     "export_peft": "mint.hub.export",
     "engine_layout": "mint.hub.export",
-    "ENGINE_REFUSED_FAMILIES": "mint.hub.export",
     "write_adapter_dir": "mint.hub.export",
     "read_adapter_dir": "mint.hub.export",
     "check_base": "mint.hub.export",

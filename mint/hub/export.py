@@ -15,12 +15,12 @@ Formats
 The split is exact (indexing only, no arithmetic): PEFT keeps expert e's A as rows [e*r, (e+1)*r) of lora_A
 (r*E, in) and its B as columns e, e+E, e+2E, ... of lora_B (out, r*E); the delta of expert e is
 scale * B_e @ A_e, shape (out, in). gate_up_proj's out rows are [gate (I); up (I)] (`gate, up = linear(x, W_e)
-.chunk(2)` in each of PER_EXPERT_FAMILIES), so gate_proj and up_proj share A_e and take the two halves of B_e.
+.chunk(2)` in each registered family with experts), so gate_proj and up_proj share A_e and take the two halves of B_e.
 `fuse_experts` inverts `split_experts` bit for bit; tests check both that and the logits of a checkpoint merged from
 the per-expert keys through transformers' own per-expert -> fused loader.
 
 Engine directories: a rollout actor writes each revision in the layout its engine loads (`engine_layout`, from
-`ENGINE_EXPERT_LAYOUTS`, the table of what each engine reads per family; `write_adapter_dir`), and `mint serve` reads
+the family registry's entries, mint.models.families, of what each engine reads; `write_adapter_dir`), and `mint serve` reads
 either layout back (`read_adapter_dir`). A per-expert directory records the trained (fused) revision's id and adapter
 config in mint_revision.json, so a reader fuses it back and checks the hash against that id: the per-expert tensors
 themselves hash to something else. On a vision-language base (`mint.models.specs.VLM_TEXT_MODEL_TYPES`: Mint trains
@@ -57,38 +57,24 @@ from mint.hub.revisions import (
     read_revision_files,
     write_revision_dir,
 )
+from mint.models import families
 
 FORMATS = ("peft", "per-expert", "merged")
 ENGINE_LAYOUTS = ("auto", "peft", "per-expert")  # what a rollout actor may write for its engine
-# Fused gate_up rows are [gate; up] in these (transformers computes `gate, up = linear(x, W_e).chunk(2)` in each, and
-# its checkpoint conversion maps the per-expert keys of all but qwen2_moe itself with qwen2_moe's pattern), so
-# `split_experts` applies. MLA_FAMILIES equals mint.models.specs' (tested); importing it would load transformers.
-MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
-PER_EXPERT_FAMILIES = ("qwen2_moe", "qwen3_moe", "glm4_moe", "qwen3_next", "qwen3_5_moe_text", *MLA_FAMILIES)
+# What each engine reads and refuses, per family, is the family registry's (mint.models.families: `engine_layouts`,
+# `engine_refusal`, `refused_modules`), read off the engines' own loaders (tests/test_vllm_lora_conformance.py runs
+# vLLM's): a vLLM class's `is_3d_moe_weight` picks fused or per-expert, SGLang takes per-expert for every FusedMoE,
+# `mint serve` fuses per-expert back (docs/mint.md). Fused gate_up rows are [gate; up] in every family with experts
+# (transformers computes `gate, up = linear(x, W_e).chunk(2)` in each, and its checkpoint conversion maps the
+# per-expert keys of all but qwen2_moe itself with qwen2_moe's pattern), so `split_experts` applies to each.
 _PEFT_PREFIX = "base_model.model."
 
-# The layouts each engine reads expert LoRA in, per family (model_type); the first is what `auto` writes. Read off
-# the engines' own loaders (tests/test_vllm_lora_conformance.py runs vLLM's): a vLLM class's `is_3d_moe_weight` picks
-# fused or per-expert, SGLang takes per-expert for every FusedMoE, `mint serve` fuses per-expert back (docs/mint.md).
-ENGINE_EXPERT_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
-    "vllm": {family: ("per-expert",) for family in PER_EXPERT_FAMILIES}
-    | {family: ("peft",) for family in ("qwen3_5_moe", "qwen3_vl_moe", "gpt_oss")},
-    "sglang": {family: ("per-expert",) for family in PER_EXPERT_FAMILIES},
-    "mint": {family: ("peft", "per-expert") for family in PER_EXPERT_FAMILIES},  # `mint serve`
-}
 
-# Families (the checkpoint's model_type) an engine is handed no adapter for at all, with the reason in one line; why
-# each is refused (vLLM's Kimi-K2.5 class takes no LoRA, SGLang's VLM loaders are unrun): docs/mint.md, "Export".
-_SGLANG_VLM = "sglang: LoRA on a {} VLM checkpoint is unchecked; use vllm, or serve the text checkpoint ({}_text)"
-_VLLM_KIMI = "vllm: its KimiK25ForConditionalGeneration (kimi_k25) takes no LoRA (--enable-lora fails); use builtin"
-_SGLANG_KIMI = "sglang: LoRA on a kimi_k25 checkpoint is unverified (no test runs SGLang's loader on one); use builtin"
-ENGINE_REFUSED_FAMILIES = {"vllm": {"kimi_k25": _VLLM_KIMI}, "sglang": {"kimi_k25": _SGLANG_KIMI}}
-ENGINE_REFUSED_FAMILIES["sglang"] |= {vlm: _SGLANG_VLM.format(vlm, vlm) for vlm in ("qwen3_5_moe", "qwen3_5")}
+def _splits_experts(text_model_type: str) -> bool:
+    """Whether `split_experts` knows the fused expert layout of a family (its registry entry has experts)."""
+    entry = families.family(text_model_type)
+    return entry is not None and entry.experts and entry.model_type == text_model_type
 
-# Target modules an engine loads LoRA for on a family but does not apply on every token: vLLM's absorbed MLA decode
-# never calls kv_b_proj (its LoRA), though its loader fills the buffers; SGLang applies it (docs/mint.md, "Export").
-_VLLM_KV_B = "vllm drops kv_b_proj LoRA on {} in decode (absorbed MLA); drop it from lora.target_modules"
-ENGINE_REFUSED_MODULES = {"vllm": {mla: {"kv_b_proj": _VLLM_KV_B.format(mla)} for mla in MLA_FAMILIES}}
 
 # vLLM's Qwen3_5{Moe}ForConditionalGeneration maps the checkpoint's own names (model.language_model.*, after
 # base_model.model. is dropped) to its LoRA modules, and Mint's text-model keys (model.layers.*) nowhere.
@@ -245,8 +231,8 @@ def split_experts(
     """Fused 3-D expert LoRA -> per-expert 2-D LoRA (see the module docstring); other keys pass through."""
     family = _text_family(base_config)
     experts = expert_loras(base_config, adapter_config)
-    if experts and family not in PER_EXPERT_FAMILIES:
-        raise MintError(f"per-expert export knows the layout of {', '.join(PER_EXPERT_FAMILIES)}, not {family}")
+    if experts and not _splits_experts(family):
+        raise MintError(f"per-expert export knows the fused expert layout of registered families, not {family}")
     out = dict(tensors)
     for ex in experts:
         a, b = out.pop(f"{ex.module}.lora_A.weight"), out.pop(f"{ex.module}.lora_B.weight")
@@ -309,35 +295,41 @@ def fuse_experts(per_expert: dict[str, torch.Tensor], adapter_config: dict, base
 
 def engine_layout(requested: str, adapter_config: dict, base_config, engine: str = "vllm") -> str:
     """The layout, "peft" (as trained) or "per-expert", of the adapter directory `engine` ("vllm", "sglang" or "mint",
-    the `mint serve` server) is handed. A family it cannot apply Mint's LoRA on (`ENGINE_REFUSED_FAMILIES`), or a target
-    it loads but does not apply there (`ENGINE_REFUSED_MODULES`: kv_b_proj on MLA in vLLM), is refused in one line.
-    `base_config` is the base checkpoint's own config (config.json): a VLM one names the family its engine class
-    reads (qwen3_5_moe: 3-D experts, peft), and `write_adapter_dir` then writes the VLM's module names.
+    the `mint serve` server) is handed, from the base family's registry entry (mint.models.families). A family the
+    engine cannot apply Mint's LoRA on (`engine_refusal`), or a target it loads but does not apply there
+    (`refused_modules`: kv_b_proj on MLA in vLLM), is refused in one line. `base_config` is the base checkpoint's own
+    config (config.json): a VLM one names the family its engine class reads (qwen3_5_moe: 3-D experts, peft), and
+    `write_adapter_dir` then writes the VLM's module names.
     Without LoRA on fused experts both layouts hold the same keys: auto gives peft, and either request stands. With
-    it, auto gives what `ENGINE_EXPERT_LAYOUTS` says the engine reads for the base's family (peft for a family not in
-    the table: the trained layout, which `mint serve` reads), and an explicit layout that engine does not read, or a
-    per-expert request on a family `split_experts` does not know, is refused in one line.
+    it, auto gives the first layout the entry says the engine reads; a family without an entry for that engine is
+    refused rather than guessed (a guessed layout once broke GLM on both engines), as is an explicit layout that
+    engine does not read, or a per-expert request on a family `split_experts` does not know.
     """
     if requested not in ENGINE_LAYOUTS:
         raise MintError(f"adapter layout {requested!r} is not one of {', '.join(ENGINE_LAYOUTS)}")
-    if engine not in ENGINE_EXPERT_LAYOUTS:
-        raise MintError(f"engine {engine!r} is not one of {', '.join(ENGINE_EXPERT_LAYOUTS)}")
-    if refused := ENGINE_REFUSED_FAMILIES.get(engine, {}).get(getattr(base_config, "model_type", "")):
+    if engine not in families.ENGINES:
+        raise MintError(f"engine {engine!r} is not one of {', '.join(families.ENGINES)}")
+    model_type = getattr(base_config, "model_type", "")
+    if refused := families.engine_refusal(engine, model_type):
         raise MintError(refused)
     targets = adapter_config.get("target_modules") or ()  # names, or PEFT's regex string (then a substring test)
-    for module, why in ENGINE_REFUSED_MODULES.get(engine, {}).get(_text_family(base_config), {}).items():
+    for module, why in families.refused_modules(engine, _text_family(base_config)).items():
         if module in targets:
             raise MintError(why)
     if not expert_loras(base_config, adapter_config):
         return "peft" if requested == "auto" else requested
-    family = getattr(base_config, "model_type", "")
-    reads = ENGINE_EXPERT_LAYOUTS[engine].get(family)
+    reads = families.engine_layouts(engine, model_type)
     if requested == "auto":
-        return reads[0] if reads else "peft"
+        if not reads:
+            raise MintError(
+                f"{engine}: no expert-LoRA layout is known for {model_type or 'this base'} (mint.models.families has "
+                "no entry for it); set engines.adapter_layout to the one its loader reads"
+            )
+        return reads[0]
     if reads and requested not in reads:
-        raise MintError(f"{engine} reads {family} expert LoRA in the {' or '.join(reads)} layout, not {requested}")
-    if requested == "per-expert" and _text_family(base_config) not in PER_EXPERT_FAMILIES:
-        raise MintError(f"per-expert knows the layout of {', '.join(PER_EXPERT_FAMILIES)}, not {family}; use peft")
+        raise MintError(f"{engine} reads {model_type} expert LoRA in the {' or '.join(reads)} layout, not {requested}")
+    if requested == "per-expert" and not _splits_experts(_text_family(base_config)):
+        raise MintError(f"per-expert knows the fused expert layout of registered families, not {model_type}; use peft")
     return requested
 
 

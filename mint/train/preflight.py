@@ -185,10 +185,11 @@ def check_expert_parallel(config: Config, model_config) -> None:
 def engine_adapter_layout(config: Config, model_config, adapter_config: dict) -> str:
     """The adapter layout (peft or per-expert) a vllm/sglang rollout actor writes for its engines
     (`mint.hub.engine_layout` of engines.adapter_layout); ConfigError when the engine cannot read the one asked for,
-    or takes no LoRA on the base at all (`ENGINE_REFUSED_FAMILIES`: then the key is rollout.backend)."""
-    from mint.hub import ENGINE_REFUSED_FAMILIES, engine_layout
+    or takes no LoRA on the base at all (the family registry's `engine_refusal`: then the key is rollout.backend)."""
+    from mint.hub import engine_layout
+    from mint.models.families import engine_refusal
 
-    if refused := ENGINE_REFUSED_FAMILIES.get(config.rollout.backend, {}).get(getattr(model_config, "model_type", "")):
+    if refused := engine_refusal(config.rollout.backend, getattr(model_config, "model_type", "")):
         raise ConfigError(f"rollout.backend: {refused}")
     try:
         return engine_layout(config.engines.adapter_layout, adapter_config, model_config, config.rollout.backend)
