@@ -1,4 +1,5 @@
-"""The driver's pure pieces: step planning across ranks, the run summary, the run directory, and the catalog writer."""
+"""The driver's pure pieces: step planning across ranks, the run summary, the run directory, the catalog writer, and
+the line that stops a run after bad steps."""
 
 import json
 import threading
@@ -11,6 +12,7 @@ from mint.errors import MintError
 from mint.train.driver import prepare_run_dir, summarize
 from mint.train.learner import GroupBatch
 from mint.train.step import CatalogWriter, plan_step
+from mint.train.stops import bad_steps_message
 
 
 def _group(lengths: list[int]) -> GroupBatch:
@@ -117,3 +119,17 @@ def test_the_catalog_writer_writes_in_order_off_the_callers_thread_and_raises_a_
     with pytest.raises(ValueError, match="the run's own error"), CatalogWriter() as w:  # that error wins on the way out
         w.submit(full_disk)
         raise ValueError("the run's own error")
+
+
+def test_the_bad_steps_line_names_a_non_finite_loss_and_does_not_blame_learner_lr(tmp_path):
+    """Three skipped steps whose loss was NaN (the learner's cause "loss") ended the run with "a non-finite gradient
+    ... lower learner.lr" whatever broke, which sent users after the learning rate. The line now says which was
+    not finite; a finite loss with a NaN gradient still points at learner.lr."""
+    config = build_config({}, [])
+    latest = tmp_path / "checkpoints" / "step_000004"
+    loss = bad_steps_message(config, 3, "loss", latest)
+    assert loss.startswith("3 consecutive steps had a non-finite loss") and "learner.lr" not in loss, loss
+    assert str(latest) in loss and "model.dtype = float32" in loss and "\n" not in loss
+    gradient = bad_steps_message(config, 3, "gradient", None)
+    assert gradient.startswith("3 consecutive steps had a non-finite gradient with a finite loss"), gradient
+    assert "lower learner.lr" in gradient and "the last good checkpoint is none" in gradient
