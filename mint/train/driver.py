@@ -50,7 +50,7 @@ from mint.train.nodes import check_node, check_run_paths, driver_model_path, nod
 from mint.train.pipeline import RolloutPipeline
 from mint.train.preflight import Preflight, preflight
 from mint.train.step import CatalogWriter, Revision, RunCatalog, make_batches, save_revision
-from mint.train.stops import bad_steps_message
+from mint.train.stops import bad_steps_message, check_kept
 
 __all__ = ["prepare_run_dir", "summarize", "train"]
 
@@ -284,6 +284,7 @@ def _steps(run: Run, cluster: Cluster, catalog: RunCatalog, logger: RunLogger, s
             if state.bad_steps >= config.checkpoint.max_bad_steps:
                 latest = checkpoint.latest(out)
                 raise MintError(bad_steps_message(config, state.bad_steps, sums.get("bad_cause"), latest))
+            check_kept(config, state, step, sums)  # a run whose trust mask drops (nearly) every token stops here
             if step % config.catalog.export_every == 0 or step == config.grpo.steps:
                 writer.wait()  # the export reads the catalog copy
                 save_revision(config, out, catalog.store, rev)
