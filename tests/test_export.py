@@ -17,6 +17,8 @@ from mint.config import LoraConfig
 from mint.errors import MintError
 from mint.hub.catalog import Catalog
 from mint.hub.export import (
+    ENGINE_EXPERT_LAYOUTS,
+    ENGINE_REFUSED_FAMILIES,
     MLA_FAMILIES,
     PER_EXPERT_FAMILIES,
     engine_layout,
@@ -301,23 +303,37 @@ def test_engine_layout_follows_what_each_engine_reads():
         engine_layout("merged", adapter(qwen, True), qwen)
 
 
-def test_engine_layout_per_expert_refused_where_the_split_does_not_apply():
-    """A family outside the table whose experts carry LoRA (here a 4-expert OLMoE): auto keeps the trained layout,
-    and an explicit per-expert is one line, since `split_experts` does not know its gate/up order."""
+def test_auto_layout_refuses_a_family_with_experts_missing_from_the_table_instead_of_guessing_peft():
+    """A family outside the table whose experts carry LoRA (here a 4-expert OLMoE). auto gave peft in silence, which an
+    engine that reads per-expert expert LoRA loads as no expert LoRA at all; it now refuses in one line that says how
+    to go on, for every engine. An explicit peft is taken as asked, attention-only LoRA (the same keys in either
+    layout) still gets peft, and an explicit per-expert is one line, since `split_experts` does not know its gate/up
+    order."""
     from transformers import OlmoeConfig
 
     olmoe = OlmoeConfig(
         vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
     )  # fmt: skip
-    lora = peft_config(LoraConfig(), olmoe).to_dict()
-    lora = {k: sorted(v) if isinstance(v, set) else v for k, v in lora.items()}
-    assert engine_layout("auto", lora, olmoe) == "peft"
+    assert moe_layout(olmoe) is not None and "olmoe" not in _families_with_experts()
+
+    def adapter(experts: bool) -> dict:
+        lora = peft_config(LoraConfig(target_experts=experts), olmoe).to_dict()
+        return {k: sorted(v) if isinstance(v, set) else v for k, v in lora.items()}
+
+    for engine in ENGINE_EXPERT_LAYOUTS:
+        with pytest.raises(MintError) as err:
+            engine_layout("auto", adapter(True), olmoe, engine=engine)
+        message = str(err.value)
+        assert message.startswith(f"{engine}: no known expert LoRA layout for olmoe") and "\n" not in message
+        assert "peft or per-expert" in message, message
+        assert engine_layout("peft", adapter(True), olmoe, engine=engine) == "peft"
+        assert engine_layout("auto", adapter(False), olmoe, engine=engine) == "peft"
     with pytest.raises(
         MintError,
         match=r"per-expert knows the layout of qwen2_moe, .*, qwen3_5_moe_text, deepseek_v3, .*, not olmoe",
     ):
-        engine_layout("per-expert", lora, olmoe)
+        engine_layout("per-expert", adapter(True), olmoe)
 
 
 def test_merged_export_is_written_only_on_request(random_qwen3_path, tmp_path, capsys):
@@ -352,3 +368,32 @@ def test_lora_size_from_a_meta_skeleton_counts_the_real_adapter(random_qwen3_pat
     sizes = lora_size(AutoConfig.from_pretrained(random_qwen3_path), 8, ["q_proj", "k_proj", "v_proj", "o_proj"])
     assert sizes["lora_params"] == sum(v.numel() for v in lora_state(trained).values())
     assert sizes["base_params"] == sum(p.numel() for n, p in trained.named_parameters() if "lora_" not in n)
+
+
+def _families_with_experts() -> set[str]:
+    """Every checkpoint model_type with routed experts that Mint's family tables name: the tiny bases, the MLA
+    families, the real shapes `mint plan` knows, and the vision-language checkpoints whose text model has experts."""
+    from mint.models.shapes import SHAPES
+
+    found = {tiny_config(f, 97).model_type for f in specs.TINY_FAMILIES if moe_layout(tiny_config(f, 97))}
+    found |= set(specs.MLA_FAMILIES)
+    found |= {s.family for s in SHAPES.values() if s.experts}
+    found |= {vlm for vlm, text in specs.VLM_TEXT_MODEL_TYPES.items() if text in found}
+    return found
+
+
+def test_every_family_with_experts_has_a_layout_for_every_engine_or_is_refused_there():
+    """`mint serve` had no entry for qwen3_5_moe (the Qwen3.5-MoE VLM checkpoint) nor kimi_k25, and auto silently
+    fell back to peft for any family missing from the table, which an engine that wants per-expert loads as no
+    expert LoRA at all. Every family with experts in the family tables now has an entry for each engine (or that
+    engine refuses the family in one line), and each entry names layouts the writer can produce for it."""
+    families = _families_with_experts()
+    assert {"qwen3_moe", "glm4_moe", "qwen3_5_moe", "kimi_k25", "deepseek_v32"} <= families, families
+    for engine, table in ENGINE_EXPERT_LAYOUTS.items():
+        refused = ENGINE_REFUSED_FAMILIES.get(engine, {})
+        missing = sorted(f for f in families if f not in table and f not in refused)
+        assert not missing, f"{engine} has no expert layout for {missing}"
+        for family, layouts in table.items():
+            assert layouts and set(layouts) <= {"peft", "per-expert"}, (engine, family, layouts)
+            text = specs.VLM_TEXT_MODEL_TYPES.get(family, family)
+            assert "per-expert" not in layouts or text in PER_EXPERT_FAMILIES, (engine, family)

@@ -70,11 +70,12 @@ _PEFT_PREFIX = "base_model.model."
 # The layouts each engine reads expert LoRA in, per family (model_type); the first is what `auto` writes. Read off
 # the engines' own loaders (tests/test_vllm_lora_conformance.py runs vLLM's): a vLLM class's `is_3d_moe_weight` picks
 # fused or per-expert, SGLang takes per-expert for every FusedMoE, `mint serve` fuses per-expert back (docs/mint.md).
+# Each family with experts has an entry per engine or is refused there (tested); auto refuses one without (no guess).
 ENGINE_EXPERT_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm": {family: ("per-expert",) for family in PER_EXPERT_FAMILIES}
     | {family: ("peft",) for family in ("qwen3_5_moe", "qwen3_vl_moe", "gpt_oss")},
     "sglang": {family: ("per-expert",) for family in PER_EXPERT_FAMILIES},
-    "mint": {family: ("peft", "per-expert") for family in PER_EXPERT_FAMILIES},  # `mint serve`
+    "mint": {family: ("peft", "per-expert") for family in (*PER_EXPERT_FAMILIES, "qwen3_5_moe", "kimi_k25")},
 }
 
 # Families (the checkpoint's model_type) an engine is handed no adapter for at all, with the reason in one line; why
@@ -314,8 +315,8 @@ def engine_layout(requested: str, adapter_config: dict, base_config, engine: str
     `base_config` is the base checkpoint's own config (config.json): a VLM one names the family its engine class
     reads (qwen3_5_moe: 3-D experts, peft), and `write_adapter_dir` then writes the VLM's module names.
     Without LoRA on fused experts both layouts hold the same keys: auto gives peft, and either request stands. With
-    it, auto gives what `ENGINE_EXPERT_LAYOUTS` says the engine reads for the base's family (peft for a family not in
-    the table: the trained layout, which `mint serve` reads), and an explicit layout that engine does not read, or a
+    it, auto gives what `ENGINE_EXPERT_LAYOUTS` says the engine reads for the base's family, and refuses a family the
+    table does not list (one line: name the layout explicitly); an explicit layout that engine does not read, or a
     per-expert request on a family `split_experts` does not know, is refused in one line.
     """
     if requested not in ENGINE_LAYOUTS:
@@ -332,8 +333,10 @@ def engine_layout(requested: str, adapter_config: dict, base_config, engine: str
         return "peft" if requested == "auto" else requested
     family = getattr(base_config, "model_type", "")
     reads = ENGINE_EXPERT_LAYOUTS[engine].get(family)
-    if requested == "auto":
-        return reads[0] if reads else "peft"
+    if requested == "auto":  # a guessed peft would reach an engine that reads per-expert as no expert LoRA at all
+        if reads:
+            return reads[0]
+        raise MintError(f"{engine}: no known expert LoRA layout for {family}; name it: peft or per-expert")
     if reads and requested not in reads:
         raise MintError(f"{engine} reads {family} expert LoRA in the {' or '.join(reads)} layout, not {requested}")
     if requested == "per-expert" and _text_family(base_config) not in PER_EXPERT_FAMILIES:
@@ -484,12 +487,8 @@ def export(catalog: Catalog, ref: str, out: str | Path, fmt: str = "peft", base:
     if fmt not in FORMATS:
         raise MintError(f"export: format {fmt!r} is not one of {', '.join(FORMATS)}")
     meta = catalog.get(ref)
-    if fmt == "peft":
-        path = export_peft(catalog, meta.id, out, base)
-    elif fmt == "per-expert":
-        path = export_per_expert(catalog, meta.id, out, base)
-    else:
-        path = export_merged(catalog, meta.id, out, base)
+    writer = {"peft": export_peft, "per-expert": export_per_expert, "merged": export_merged}[fmt]
+    path = writer(catalog, meta.id, out, base)
     report = {"revision": meta.id, "format": fmt, "path": str(path), "bytes": checkpoint_bytes(path)}
     try:
         merged = checkpoint_bytes(resolve_base(meta, base))
