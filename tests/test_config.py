@@ -312,3 +312,18 @@ def test_modes_are_literal_types_and_the_loader_takes_their_values_from_them():
         build_config({}, ["longstraw.mode=fast"])
     with pytest.raises(ConfigError, match=r"^rollout\.backend: 3 is not one of builtin, vllm, sglang$"):
         build_config({"rollout": {"backend": 3}})
+
+
+def test_top_p_under_1_with_the_vllm_backend_is_refused_naming_the_key():
+    """rollout.top_p = 0.9 with rollout.backend = vllm was accepted, though vLLM's logprobs are then those of the
+    truncated nucleus and the learner's of the whole softmax, so the ratio was off on every token. One line naming
+    rollout.top_p; top_p = 1 with vLLM, and top_p < 1 with the builtin and SGLang backends, still load."""
+    engines = ["engines.urls=['http://h:8000']"]
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ["rollout.backend=vllm", *engines, "rollout.top_p=0.9"])
+    assert str(err.value).startswith("rollout.top_p: 0.9 < 1 with rollout.backend = vllm") and "\n" not in str(
+        err.value
+    )
+    build_config({}, ["rollout.backend=vllm", *engines, "rollout.top_p=1.0"])
+    build_config({}, ["rollout.backend=sglang", *engines, "rollout.top_p=0.9"])
+    build_config({}, ["rollout.top_p=0.9"])

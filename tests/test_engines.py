@@ -181,6 +181,31 @@ def test_an_engine_that_dies_mid_run_ends_it_with_one_line(tmp_path):
     assert _processes_with(str(catalog)) == []
 
 
+@pytest.mark.slow
+def test_an_engine_without_routed_experts_stops_the_run_with_one_line_naming_route_missing(tmp_path):
+    """An engine the run starts (`mint serve` as vLLM, engines.start) from a launch line without
+    --enable-return-routed-experts, with R3 on: it returns no routes, every response token is masked route_missing,
+    the LoRA gradient is zero, and the run went to its last step and exited 0 having learned nothing (preflight
+    cannot ask an engine that is not started yet). With the defaults (grpo.min_kept_fraction 0.2, patience 3) the run
+    now ends after step 3 with one line naming route_missing and the fix; metrics hold the dropped fraction per
+    cause."""
+    catalog = tmp_path / "no-routes-catalog"
+    Catalog(catalog).close()
+    command = _serve_command(catalog).replace(" --enable-return-routed-experts", "")
+    with pytest.raises(MintError) as info:
+        train(_config(tmp_path, "no_routes", 20, command))
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("3 consecutive steps kept less than"), message
+    assert "step 3 kept 0.0% and dropped 100.0% as route_missing" in message, message
+    assert "--enable-return-routed-experts" in message and "grpo.r3=false" in message, message
+    lines = [json.loads(line) for line in (tmp_path / "no_routes/metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3], lines
+    for m in lines:
+        assert m["trust_kept_frac"] == 0.0 and m["trust_dropped_route_missing"] == 1.0, m
+        assert m["trust_dropped_icepop"] == 0.0 and m["trust_dropped_non_finite"] == 0.0, m
+    assert _processes_with(str(catalog)) == [], "an engine server outlived the run"
+
+
 def test_the_config_checks_engines():
     with pytest.raises(ConfigError, match=r"^engines\.start: set engines\.start .* or engines\.urls"):
         build_config({"rollout": {"backend": "vllm"}, "engines": {"start": 1, "urls": ["http://127.0.0.1:1"]}})

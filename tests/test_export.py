@@ -315,6 +315,9 @@ def test_engine_layout_auto_refuses_a_family_without_a_registry_entry():
             engine_layout("auto", lora, olmoe, engine=engine)
         assert "\n" not in str(err.value) and "engines.adapter_layout" in str(err.value)
         assert engine_layout("peft", lora, olmoe, engine=engine) == "peft"
+        attention_only = peft_config(LoraConfig(target_experts=False), olmoe).to_dict()
+        attention_only = {k: sorted(v) if isinstance(v, set) else v for k, v in attention_only.items()}
+        assert engine_layout("auto", attention_only, olmoe, engine=engine) == "peft"  # the same keys in either layout
     with pytest.raises(MintError, match=r"per-expert knows the fused expert layout of registered families, not olmoe"):
         engine_layout("per-expert", lora, olmoe)
 
@@ -351,3 +354,35 @@ def test_lora_size_from_a_meta_skeleton_counts_the_real_adapter(random_qwen3_pat
     sizes = lora_size(AutoConfig.from_pretrained(random_qwen3_path), 8, ["q_proj", "k_proj", "v_proj", "o_proj"])
     assert sizes["lora_params"] == sum(v.numel() for v in lora_state(trained).values())
     assert sizes["base_params"] == sum(p.numel() for n, p in trained.named_parameters() if "lora_" not in n)
+
+
+def _families_with_experts() -> set[str]:
+    """Every checkpoint model_type with routed experts, found without trusting the registry's `experts` flag: the
+    tiny bases and the MLA families built and asked (moe_layout), the real shapes `mint plan` knows, and the
+    vision-language checkpoints whose text model has experts."""
+    from mint.models.shapes import SHAPES
+
+    built = {f: tiny_config(f, 97) for f in (*specs.TINY_FAMILIES, *specs.MLA_FAMILIES)}
+    found = {config.model_type for config in built.values() if moe_layout(config)}
+    found |= {s.family for s in SHAPES.values() if s.experts}
+    found |= {vlm for vlm, text in specs.VLM_TEXT_MODEL_TYPES.items() if text in found}
+    return found
+
+
+def test_every_family_with_experts_has_a_layout_for_every_engine_or_is_refused_there():
+    """`mint serve` had no entry for qwen3_5_moe (the Qwen3.5-MoE VLM checkpoint) nor kimi_k25, and auto silently
+    fell back to peft for any family missing from the table, which an engine that wants per-expert loads as no
+    expert LoRA at all. Every family with experts now has, in the registry (mint.models.families), layouts for each
+    engine or that engine's one-line refusal, and each names layouts the writer can produce for it."""
+    found = _families_with_experts()
+    assert {"qwen3_moe", "glm4_moe", "qwen3_5_moe", "kimi_k25", "deepseek_v32"} <= found, found
+    for engine in families.ENGINES:
+        missing = sorted(
+            f for f in found if not families.engine_layouts(engine, f) and not families.engine_refusal(engine, f)
+        )
+        assert not missing, f"{engine} has no expert layout for {missing}"
+        for model_type in found:
+            layouts = families.engine_layouts(engine, model_type) or ()
+            assert set(layouts) <= {"peft", "per-expert"}, (engine, model_type, layouts)
+            text = specs.VLM_TEXT_MODEL_TYPES.get(model_type, model_type)
+            assert "per-expert" not in layouts or families.family(text).experts, (engine, model_type)

@@ -130,6 +130,25 @@ def test_clip_higher_negative_advantage():
     torch.testing.assert_close(grad_T, torch.tensor([0.0, 0.85, 1.0, 1.5]))
 
 
+@pytest.mark.parametrize("adv", [2.0, -1.0])
+def test_a_log_ratio_of_100_gives_a_finite_loss_and_gradient(adv):
+    """logp - old = 100 on token 1 (off-policy, IcePop off: nothing else bounds it), next to an ordinary token.
+    exp(100) overflowed fp32 to inf: for A > 0 the token is clipped, yet exp's backward multiplied the clip's 0 by
+    inf and the gradient was NaN; for A < 0 the loss itself was inf. Either way the whole step was skipped. The log is
+    clamped at 20 first, so both are finite, the ordinary token is untouched, and the extreme one adds no gradient."""
+    logp_T = torch.tensor([-1.0, 0.0], requires_grad=True)
+    old_logp_T = torch.tensor([-1.0, -100.0])
+    spec = LossSpec()
+    loss_T, stats = per_token_objective(logp_T, old_logp_T, torch.tensor(adv), spec)
+    loss_T.sum().backward()
+    assert bool(torch.isfinite(loss_T).all()) and bool(torch.isfinite(logp_T.grad).all()), (loss_T, logp_T.grad)
+    assert stats["ratio_T"][1] == pytest.approx(math.exp(20.0), rel=1e-6)
+    # r = exp(20): A > 0 is clipped at 1.28 (loss -1.28 A); A < 0 stays unclipped (loss -r A), a constant past the bound
+    expected = -1.28 * adv if adv > 0 else -math.exp(20.0) * adv
+    assert float(loss_T.detach()[1]) == pytest.approx(expected, rel=1e-6)
+    assert logp_T.grad.tolist() == [-adv, 0.0]  # token 0: r = 1, d loss / d logp = -A
+
+
 def test_zero_advantage_is_never_clipped():
     loss_T, stats, grad_T = _objective([0.5, 1.0, 2.0], 0.0)
     torch.testing.assert_close(loss_T, torch.zeros(3))

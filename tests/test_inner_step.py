@@ -214,14 +214,14 @@ def test_exact_mode_under_the_fp16_loss_scale_equals_the_naive_step(random_qwen3
     assert float((naive / 1024.0).norm() / reference.norm()) == pytest.approx(1.0, abs=0.02)
 
 
-# Stale rollout logprobs that IcePop masks (ratio_high, ratio_high, ratio_low): (response, token) -> logprob.
+# Stale rollout logprobs that the trust mask drops (ratio_high, non_finite, ratio_low): (response, token) -> logprob.
 STALE = {(0, 1): -100.0, (1, 0): -math.inf, (0, 3): 50.0}
 
 
 @pytest.mark.parametrize("adv", [1.0, -1.0])
 def test_masked_token_with_rollout_logprob_minus_100_or_inf_adds_nothing_not_nan(adv):
     """Off-policy objective (rollout.max_staleness=1, the ratio against the rollout's logprobs): the rollout gave
-    tokens 1, 2, 3 logprobs -100, -inf and +50 where the learner has about -2, and IcePop masks all three. The
+    tokens 1, 2, 3 logprobs -100, -inf and +50 where the learner has about -2, and the trust mask drops all three. The
     ratio was formed unclamped and the mask multiplied afterwards: exp(98) = inf, so the loss was inf x 0 = nan for
     A < 0 and the gradient 0 x inf = nan for either sign. Weight 0 must mean absent: value and gradient equal the
     objective of the kept tokens alone, and the masked tokens' gradient is exactly 0."""
@@ -236,7 +236,9 @@ def test_masked_token_with_rollout_logprob_minus_100_or_inf_adds_nothing_not_nan
     loss = objective.response_loss(0, logp_R, ref_R, None, None)
     loss.backward()
     trust = objective.stats()["trust"]
-    assert (trust.kept, trust.masked["ratio_high"], trust.masked["ratio_low"]) == (2, 2, 1)
+    # -inf is not a drift but a broken log-prob: non_finite, not ratio_high
+    masked = trust.masked
+    assert (trust.kept, masked["ratio_high"], masked["ratio_low"], masked["non_finite"]) == (2, 1, 1, 1)
     assert math.isfinite(float(loss.detach())) and bool(torch.isfinite(logp_R.grad).all())
     assert logp_R.grad[1:4].tolist() == [0.0, 0.0, 0.0]
 
@@ -349,3 +351,31 @@ def test_step_peak_of_a_larger_first_group_and_a_smaller_second_is_the_first_gro
     slack = 64 * 1024
     assert alone["big"] > alone["small"] + 4 * slack, alone
     assert abs(meter.nbytes - alone["big"]) <= slack, (meter.nbytes, alone)
+
+
+def test_a_nan_rollout_logprob_is_masked_non_finite_and_the_off_policy_step_is_not_skipped(random_qwen3_path):
+    """A whole learner step (real DeepSpeed, ZeRO-1) under rollout.max_staleness=1 with IcePop on, where the rollout
+    reported NaN for one token. NaN compares false with both band edges, so IcePop kept it "in band", the PPO ratio
+    against the rollout's logprob made the loss NaN, every gradient went NaN and the step was skipped (the run then
+    stopped blaming learner.lr). Now the token is masked under its own reason, non_finite, and the step is taken
+    with the other tokens."""
+    learner = real_learner(random_qwen3_path, ["rollout.max_staleness=1", "grpo.r3=false", "learner.inner_step=naive"])
+    group = _stale_group(learner, 1.0)
+    own, _ = _score_padded(learner.ctx, group, with_grad=False, routes=learner.ctx.group_routes(group))
+    rollout = [lp.detach().clone() for lp in own]  # every other token exactly in band (ratio 1)
+    rollout[0][2] = float("nan")
+    group = dataclasses.replace(group, rollout_logprobs=rollout)
+    plan = StepPlan([MicroStep(group, True)], total_tokens=sum(group.lengths), total_seqs=len(group.lengths), step=1)
+    before = _lora_weights(learner)
+    sums = learner.step(plan)
+    assert not sums["skipped"] and not sums["bad"], sums
+    assert math.isfinite(sums["loss"]) and math.isfinite(sums["grad_norm"]), sums
+    trust = sums["trust"]
+    assert trust.masked["non_finite"] == 1 and sum(trust.masked.values()) == trust.tokens - trust.kept
+    assert trust.metrics()["trust_dropped_non_finite"] == pytest.approx(1 / 7)
+    assert not torch.equal(before, _lora_weights(learner)), "the step changed nothing"
+
+
+def _lora_weights(learner: LearnerActor) -> torch.Tensor:
+    params = [p for p in learner.engine.module.parameters() if p.requires_grad]
+    return torch.cat([p.detach().flatten().float().clone() for p in params])

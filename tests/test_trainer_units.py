@@ -1,4 +1,5 @@
-"""The driver's pure pieces: step planning across ranks, the run summary, the run directory, and the catalog writer."""
+"""The driver's pure pieces: step planning across ranks, the run summary, the run directory, the catalog writer, and
+the rules that stop a run that is not learning."""
 
 import json
 import threading
@@ -8,9 +9,11 @@ import torch
 
 from mint.config import build_config
 from mint.errors import MintError
+from mint.train.checkpoint import RunState
 from mint.train.driver import prepare_run_dir, summarize
 from mint.train.learner import GroupBatch
 from mint.train.step import CatalogWriter, plan_step
+from mint.train.stops import bad_steps_message, check_kept
 
 
 def _group(lengths: list[int]) -> GroupBatch:
@@ -117,3 +120,57 @@ def test_the_catalog_writer_writes_in_order_off_the_callers_thread_and_raises_a_
     with pytest.raises(ValueError, match="the run's own error"), CatalogWriter() as w:  # that error wins on the way out
         w.submit(full_disk)
         raise ValueError("the run's own error")
+
+
+def test_the_bad_steps_line_names_a_non_finite_loss_and_does_not_blame_learner_lr(tmp_path):
+    """Three skipped steps whose loss was NaN (the learner's cause "loss") ended the run with "a non-finite gradient
+    ... lower learner.lr" whatever broke, which sent users after the learning rate. The line now says which was
+    not finite; a finite loss with a NaN gradient still points at learner.lr."""
+    config = build_config({}, [])
+    latest = tmp_path / "checkpoints" / "step_000004"
+    loss = bad_steps_message(config, 3, "loss", latest)
+    assert loss.startswith("3 consecutive steps had a non-finite loss") and "learner.lr" not in loss, loss
+    assert str(latest) in loss and "model.dtype = float32" in loss and "\n" not in loss
+    gradient = bad_steps_message(config, 3, "gradient", None)
+    assert gradient.startswith("3 consecutive steps had a non-finite gradient with a finite loss"), gradient
+    assert "lower learner.lr" in gradient and "the last good checkpoint is none" in gradient
+
+
+def _trust_sums(kept: float, **dropped: float) -> dict:
+    """The learner group's sums of a step with 100 response tokens (TrustCounts.metrics' keys)."""
+    out = {"tokens": 100.0, "trust_kept_frac": kept}
+    out.update(
+        {f"trust_dropped_{c}": dropped.get(c, 0.0) for c in ("route_missing", "route_mismatch", "non_finite", "icepop")}
+    )
+    return out
+
+
+def test_every_token_route_missing_for_patience_steps_stops_with_one_line_naming_route_missing():
+    """Steps whose every response token was masked route_missing (an engine without routed experts, R3 on) had a zero
+    gradient, were published as if fine, and the run ended with exit 0 having learned nothing. Two such steps with
+    patience 2 now end the run with one line naming route_missing and its fix; the first only counts."""
+    config = build_config({}, ["grpo.min_kept_patience=2"])
+    state = RunState()
+    check_kept(config, state, 1, _trust_sums(0.0, route_missing=1.0))
+    assert state.low_kept_steps == 1
+    with pytest.raises(MintError) as info:
+        check_kept(config, state, 2, _trust_sums(0.0, route_missing=0.9, icepop=0.1))
+    message = str(info.value)
+    assert "\n" not in message and "dropped 90.0% as route_missing" in message, message
+    assert "--enable-return-routed-experts" in message and "grpo.r3=false" in message, message
+    assert message.startswith("2 consecutive steps kept less than grpo.min_kept_fraction = 0.2"), message
+
+
+def test_kept_fraction_streak_resets_on_a_good_step_ignores_a_step_without_tokens_and_0_never_stops():
+    config = build_config({}, ["grpo.min_kept_patience=2"])
+    state = RunState()
+    check_kept(config, state, 1, _trust_sums(0.1, icepop=0.9))
+    check_kept(config, state, 2, {"tokens": 0.0})  # no group kept: nothing was scored, the streak stands
+    assert state.low_kept_steps == 1
+    check_kept(config, state, 3, _trust_sums(0.95, non_finite=0.05))
+    assert state.low_kept_steps == 0
+    with pytest.raises(MintError, match=r"dropped 60\.0% as non_finite; .*NaN or inf"):
+        for step in (4, 5):
+            check_kept(config, state, step, _trust_sums(0.1, non_finite=0.6, icepop=0.3))
+    never = build_config({}, ["grpo.min_kept_fraction=0", "grpo.min_kept_patience=1"])
+    check_kept(never, RunState(), 1, _trust_sums(0.0, route_missing=1.0))

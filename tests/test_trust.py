@@ -8,7 +8,7 @@ import torch
 from conftest import load_fp32
 
 from longstraw.routing import ExpertLayout, RouteRecorder, RouteReplay, find_routers, route_status
-from longstraw.trust import REASONS, TrustCounts, icepop_status, trust_mask
+from longstraw.trust import CAUSES, REASONS, TrustCounts, icepop_status, trust_mask
 
 LAYOUT = ExpertLayout(num_layers=2, num_experts=4, top_k=2)
 
@@ -33,7 +33,8 @@ def test_icepop_band_edges_are_inclusive():
     rollout = torch.zeros(5)
     old = torch.tensor([math.log(0.5), math.log(5.0), math.log(0.5) - 1e-3, math.log(5.0) + 1e-3, 0.0])
     assert icepop_status(old, rollout, 0.5, 5.0).tolist() == [0, 0, 1, 2, 0]
-    # A token the rollout found impossible (logprob -inf) is clamped, not nan, and counted high.
+    # A token the rollout found impossible (logprob -inf) is clamped, not nan, and counted high here; trust_mask then
+    # drops it as non_finite before the band is looked at.
     assert icepop_status(torch.tensor([-1.0]), torch.tensor([-math.inf]), 0.5, 5.0).tolist() == [2]
 
 
@@ -145,3 +146,36 @@ def test_routes_round_trip_through_the_ray_object_store():
     assert back.completions[0].routes_R_L_K.dtype == torch.uint8
     assert torch.equal(back.completions[0].routes_R_L_K, routes)
     assert torch.equal(back.prompt_routes_P1_L_K, group.prompt_routes_P1_L_K)
+
+
+def test_a_nan_or_inf_log_prob_is_masked_non_finite_in_band_or_not_and_with_icepop_off():
+    """Rollout log-probs NaN, -inf and +inf, and a learner log-prob NaN, next to two ordinary tokens. NaN compares
+    false with both IcePop edges, so icepop_status calls it in band (0) and the mask kept it; with IcePop off nothing
+    looked at it at all. Each must be dropped under its own reason, non_finite, whatever IcePop says, and the mismatch
+    KL must stay finite."""
+    nan, inf = math.nan, math.inf
+    old = torch.tensor([-1.0, -1.0, -1.0, nan, -1.0, -1.2])
+    rollout = torch.tensor([nan, -inf, inf, -1.0, -1.0, -1.0])
+    route = torch.zeros(6, dtype=torch.long)
+    status = icepop_status(old, rollout, 0.5, 5.0)
+    assert status[0] == 0 and status[3] == 0  # the band test alone lets NaN through
+    for ratio_status in (status, None):
+        mask, counts = trust_mask(route, ratio_status, old, rollout)
+        assert mask.tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+        assert counts.masked["non_finite"] == 4 and counts.kept == 2
+        assert counts.kept + sum(counts.masked.values()) == counts.tokens
+        assert math.isfinite(counts.mismatch_kl_sum)
+        assert counts.metrics()["trust_dropped_non_finite"] == pytest.approx(4 / 6)
+    # A missing route is counted first: each token has one reason.
+    _, counts = trust_mask(torch.tensor([1, 0, 0, 0, 0, 0]), status, old, rollout)
+    assert (counts.masked["route_missing"], counts.masked["non_finite"]) == (1, 3)
+
+
+def test_dropped_fractions_group_the_reasons_into_causes():
+    counts = TrustCounts(tokens=10, kept=3)
+    counts.masked.update(route_missing=2, route_layers=1, route_duplicate=1, non_finite=1, ratio_low=1, ratio_high=1)
+    assert counts.dropped() == pytest.approx(
+        {"route_missing": 0.2, "route_mismatch": 0.2, "non_finite": 0.1, "icepop": 0.2}
+    )
+    assert sum(counts.dropped().values()) == pytest.approx(1 - counts.metrics()["trust_kept_frac"])
+    assert TrustCounts().dropped() == dict.fromkeys(CAUSES, 0.0)

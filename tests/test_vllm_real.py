@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -193,3 +194,37 @@ def test_a_tiny_moe_served_by_vllm_samples_the_learners_tokens_and_logprobs(tiny
         with torch.no_grad():
             logits = model(torch.tensor([prompt + tokens.tolist()])).logits[0, len(prompt) - 1 : -1]
         assert tokens.tolist() == logits.argmax(-1).tolist(), (prompt, tokens)
+
+
+def test_preflight_refuses_r3_on_a_vllm_engine_started_without_routed_experts(tiny_moe_on_vllm, tmp_path):
+    """A real vLLM serving a tiny Qwen3-MoE without --enable-return-routed-experts, named in engines.urls, with R3 on
+    (the default). It returns no routes, so every response token was masked route_missing, the LoRA gradient was zero
+    and the run went to its last step and exited 0 having learned nothing. Preflight now asks the engine for one
+    routed sample and refuses in one line naming the engine and the fix, as `mint train` does (exit 2, before Ray);
+    with grpo.r3 = false the same recipe passes."""
+    from mint.errors import ConfigError
+    from mint.train.preflight import preflight
+
+    directory, url = tiny_moe_on_vllm
+    overrides = [
+        f"model.path={directory}",
+        "rollout.backend=vllm",
+        f'engines.urls=["{url}"]',
+        "learner.num_ranks=1",
+        f"logging.root={tmp_path}",
+        "logging.name=r3",
+    ]
+    with pytest.raises(ConfigError) as err:
+        preflight(load_config(ROOT / "recipes/smoke.toml", overrides))
+    message = str(err.value)
+    assert message.startswith(f"grpo.r3: the vllm engine at {url} sent no expert routes"), message
+    assert "--enable-return-routed-experts" in message and "grpo.r3=false" in message and "\n" not in message
+    preflight(load_config(ROOT / "recipes/smoke.toml", [*overrides, "grpo.r3=false"]))
+
+    ray_tmp = tmp_path / "ray-tmp"  # where a Ray started by `mint train` would put its session directory
+    env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
+    cmd = [sys.executable, "-m", "mint.cli", "train", "recipes/smoke.toml", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "sent no expert routes" in lines[0], proc.stderr[-3000:]
+    assert not ray_tmp.exists() and not (tmp_path / "r3").exists(), "refused only after starting the run"

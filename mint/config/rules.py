@@ -47,7 +47,7 @@ def engines_rules(e: EnginesConfig) -> None:
 
 def _backend_rules(config: Config) -> None:
     """An HTTP backend needs engines (listed or started), the builtin one none, and each rollout actor fronts at
-    least one engine."""
+    least one engine; vLLM samples with rollout.top_p = 1."""
     r, e = config.rollout, config.engines
     if r.backend == "builtin" and (e.start or e.urls):
         key = "engines.start" if e.start else "engines.urls"
@@ -57,6 +57,14 @@ def _backend_rules(config: Config) -> None:
             f"engines.urls: rollout.backend = {r.backend} needs the engine servers' URLs "
             '(engines.urls = ["http://host:port"]), or engines.start = N to start them; or use '
             "rollout.backend = builtin"
+        )
+    if r.backend == "vllm" and r.top_p < 1:
+        # vLLM's processed logprobs are those of the truncated, renormalised nucleus; the learner scores the whole
+        # distribution, so the ratio (and IcePop's band) would be off on every token by log(kept mass).
+        raise ConfigError(
+            f"rollout.top_p: {r.top_p} < 1 with rollout.backend = vllm, whose log-probs are of the truncated "
+            "distribution while the learner scores the whole one (the off-policy ratio would be wrong on every "
+            "token); use rollout.top_p = 1"
         )
     n_engines = e.start or len(e.urls)
     if r.backend != "builtin" and r.num_actors > n_engines:
@@ -146,6 +154,8 @@ COMBINATIONS: tuple[tuple[tuple[str, ...], bool, str], ...] = (
     (("rollout.backend=sglang", "engines.start=2", "rollout.num_actors=2"), True, "servers the run starts"),
     (("rollout.backend=vllm", "engines.start=1", 'engines.urls=["http://h:8000"]'), False, "urls or start, not both"),
     (("rollout.backend=vllm", "engines.start=1", "rollout.num_actors=2"), False, "each rollout actor fronts an engine"),
+    (("rollout.backend=vllm", "engines.start=1", "rollout.top_p=0.9"), False, "vLLM's logprobs are of the nucleus"),
+    (("rollout.backend=sglang", "engines.start=1", "rollout.top_p=0.9"), True, "SGLang's are of the whole softmax"),
     (("learner.inner_step=longstraw", "learner.zero_stage=1"), True, "the default"),
     (("learner.inner_step=longstraw", "learner.zero_stage=2", "learner.num_ranks=1"), True, "one rank: no collectives"),
     (("learner.inner_step=longstraw", "learner.zero_stage=2", "learner.num_ranks=2"), False, "ranks would disagree"),

@@ -211,6 +211,8 @@ class GrpoConfig:
     )
     icepop_alpha: float = knob(0.5, "Lower edge of the trusted ratio band (inclusive).", gt=0.0, max=1.0)
     icepop_beta: float = knob(5.0, "Upper edge of the trusted ratio band (inclusive).", min=1.0)
+    min_kept_fraction: float = knob(0.2, "Stop when the trust mask keeps less of a step's tokens.", min=0.0, max=1.0)
+    min_kept_patience: int = knob(3, "Steps in a row under grpo.min_kept_fraction (0: off) that stop the run.", min=1)
 
 
 @dataclass(frozen=True)
@@ -444,6 +446,8 @@ class Config:
 # Keys a resumed run may change: they decide how long a run goes and where it writes, never what a step computes.
 RESULT_NEUTRAL = (
     "grpo.steps",
+    "grpo.min_kept_fraction",
+    "grpo.min_kept_patience",
     "logging.*",
     "checkpoint.*",
     "eval.*",

@@ -19,10 +19,10 @@ scale * B_e @ A_e, shape (out, in). gate_up_proj's out rows are [gate (I); up (I
 `fuse_experts` inverts `split_experts` bit for bit; tests check both that and the logits of a checkpoint merged from
 the per-expert keys through transformers' own per-expert -> fused loader.
 
-Engine directories: a rollout actor writes each revision in the layout its engine loads (`engine_layout`, from
-the family registry's entries, mint.models.families, of what each engine reads; `write_adapter_dir`), and `mint serve` reads
-either layout back (`read_adapter_dir`). A per-expert directory records the trained (fused) revision's id and adapter
-config in mint_revision.json, so a reader fuses it back and checks the hash against that id: the per-expert tensors
+Engine directories: a rollout actor writes each revision in the layout its engine loads (`engine_layout`, from the
+family registry's entries in mint.models.families; `write_adapter_dir`), and `mint serve` reads either layout back
+(`read_adapter_dir`). A per-expert directory records the trained (fused) revision's id and adapter config in
+mint_revision.json, so a reader fuses it back and checks the hash against that id: the per-expert tensors
 themselves hash to something else. On a vision-language base (`mint.models.specs.VLM_TEXT_MODEL_TYPES`: Mint trains
 its text model, keys model.layers.*) the directory names the modules as the checkpoint does, model.language_model.*
 (`VLM_MODULE_PREFIX`, recorded in mint_revision.json so a reader renames them back).
@@ -476,12 +476,8 @@ def export(catalog: Catalog, ref: str, out: str | Path, fmt: str = "peft", base:
     if fmt not in FORMATS:
         raise MintError(f"export: format {fmt!r} is not one of {', '.join(FORMATS)}")
     meta = catalog.get(ref)
-    if fmt == "peft":
-        path = export_peft(catalog, meta.id, out, base)
-    elif fmt == "per-expert":
-        path = export_per_expert(catalog, meta.id, out, base)
-    else:
-        path = export_merged(catalog, meta.id, out, base)
+    writer = {"peft": export_peft, "per-expert": export_per_expert, "merged": export_merged}[fmt]
+    path = writer(catalog, meta.id, out, base)
     report = {"revision": meta.id, "format": fmt, "path": str(path), "bytes": checkpoint_bytes(path)}
     try:
         merged = checkpoint_bytes(resolve_base(meta, base))

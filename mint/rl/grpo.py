@@ -25,6 +25,13 @@ from torch import Tensor
 from mint.errors import ConfigError
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "constant")
+# |log r| bound before r = exp(log r) is formed. Off-policy with IcePop off nothing else bounds log r: exp(88.7)
+# overflows fp32, and an inf ratio gives a NaN gradient even on a clipped token (exp's backward multiplies the clip's
+# 0 by inf), which skips the whole step. 20 (r = 4.9e8) is far past any clip edge (1 +- eps) and the IcePop band, so
+# within it nothing changes. Past it r is a constant (zero gradient): for A > 0 the clip already gives 0 there; for
+# A < 0 the unclipped gradient -A r would be over 4.9e8 |A| from one token, which the global norm clip would let
+# shrink every other token's update to nothing. The same bound as the trust mask's (longstraw.trust.LOG_RATIO_CLAMP).
+LOG_RATIO_CLAMP = 20.0
 
 
 def group_advantages_batch(rewards_B_G: Tensor, scale_std: bool = True, eps: float = 1e-6) -> Tensor:
@@ -120,7 +127,7 @@ def per_token_objective(
     old_logp_T: [T] the same under the policy that sampled them. adv_T: [T], or [] broadcast (one per response).
     ref_logp_T: [T] under the reference policy, needed when spec.kl_coef > 0.
 
-        r_t    = exp(logp_t - old_logp_t)
+        r_t    = exp(clamp(logp_t - old_logp_t, -20, 20))          (LOG_RATIO_CLAMP: finite, never NaN grads)
         pg_t   = -min(r_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)
         kl_t   = exp(ref_t - logp_t) - (ref_t - logp_t) - 1          (k3 estimator of KL(pi || pi_ref), >= 0)
         loss_t = pg_t + kl_coef * kl_t
@@ -141,7 +148,7 @@ def per_token_objective(
     old_logp_T = old_logp_T.detach().to(torch.float32)
     adv_T = adv_T.detach().to(torch.float32)
 
-    ratio_T = torch.exp(logp_T - old_logp_T)
+    ratio_T = torch.exp((logp_T - old_logp_T).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped_T = ratio_T * adv_T
     clipped_surr_T = ratio_T.clamp(1.0 - spec.eps_low, 1.0 + spec.eps_high) * adv_T
     clipped_T = clipped_surr_T < unclipped_T

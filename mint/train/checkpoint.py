@@ -46,6 +46,7 @@ class RunState:
     revision: str | None = None  # the adapter revision after `step` (step 0: the initial adapter)
     rewards: list[float] = field(default_factory=list)  # reward_mean per step, for the summary
     bad_steps: int = 0  # consecutive steps skipped for a non-finite loss or gradient
+    low_kept_steps: int = 0  # consecutive steps whose trust mask kept less than grpo.min_kept_fraction
     skipped_steps: int = 0  # all skipped steps
     reward_errors: int = 0  # samples whose reward function raised, over the run
     restarts: int = 0  # learner-group restarts from a checkpoint, over the run

@@ -50,6 +50,7 @@ from mint.train.nodes import check_node, check_run_paths, driver_model_path, nod
 from mint.train.pipeline import RolloutPipeline
 from mint.train.preflight import Preflight, preflight
 from mint.train.step import CatalogWriter, Revision, RunCatalog, make_batches, save_revision
+from mint.train.stops import bad_steps_message, check_kept
 
 __all__ = ["prepare_run_dir", "summarize", "train"]
 
@@ -244,7 +245,7 @@ def _steps(run: Run, cluster: Cluster, catalog: RunCatalog, logger: RunLogger, s
             times = dict(rollout_s=now.rollout_s, learn_s=sums.get("learner_s", 0.0))
             step_metrics = dict(
                 reward_mean=float(now.rewards_B_G.mean()),
-                **{k: v for k, v in sums.items() if k not in ("bad", "learner_s")},
+                **{k: v for k, v in sums.items() if k not in ("bad", "bad_cause", "learner_s")},
             )
             t_sync = time.time()
             skipped = sums["skipped"]
@@ -282,11 +283,8 @@ def _steps(run: Run, cluster: Cluster, catalog: RunCatalog, logger: RunLogger, s
             logger.log(metrics)
             if state.bad_steps >= config.checkpoint.max_bad_steps:
                 latest = checkpoint.latest(out)
-                raise MintError(
-                    f"{state.bad_steps} consecutive steps had a non-finite gradient (skipped, never published; "
-                    f"checkpoint.max_bad_steps = {config.checkpoint.max_bad_steps}); the last good checkpoint is "
-                    f"{latest or 'none'}; lower learner.lr or check the rewards"
-                )
+                raise MintError(bad_steps_message(config, state.bad_steps, sums.get("bad_cause"), latest))
+            check_kept(config, state, step, sums)  # a run whose trust mask drops (nearly) every token stops here
             if step % config.catalog.export_every == 0 or step == config.grpo.steps:
                 writer.wait()  # the export reads the catalog copy
                 save_revision(config, out, catalog.store, rev)

@@ -228,8 +228,10 @@ class LearnerActor:
         # with measure=False.
         reset_peak(self.device)
         for epoch in range(self.config.learner.epochs):
+            epoch_loss = 0.0  # this epoch's own: sums["loss"] holds the last epoch's only
             for i, micro in enumerate(plan.micro_steps):
                 stats, logp = inner_step(self.ctx, micro, plan, old_logprobs.get(i), last=i == n_micro - 1)
+                epoch_loss += stats["loss"] if micro.real else 0.0
                 if epoch == 0:
                     old_logprobs[i] = [lp.detach() for lp in logp]
                     if micro.real:
@@ -241,7 +243,7 @@ class LearnerActor:
             self.ctx.end_accumulation()
             if self.faults.nan_gradient_at(plan.step):
                 self._poison_gradients()
-            self._step_unless_non_finite(sums)
+            self._step_unless_non_finite(sums, epoch_loss)
         self.steps_done += 1
         # resident mode keeps the captures of this step's prompts only.
         self.ctx.captures.end_step()
@@ -262,8 +264,11 @@ class LearnerActor:
             group["lr"] = lr
         return float(self.engine.get_lr()[0])
 
-    def _step_unless_non_finite(self, sums: dict) -> None:
-        """engine.step(), unless the step's gradient is not finite on some rank; records grad_norm and `skipped`.
+    def _step_unless_non_finite(self, sums: dict, loss: float) -> None:
+        """engine.step(), unless the step's gradient is not finite on some rank; records grad_norm, `skipped`, `bad`
+        and, for a bad step, `bad_cause`: "loss" when this rank's epoch loss (`loss`) was already not finite, else
+        "gradient" (a finite loss whose backward overflowed). Non-finite rollout log-probs never get here: the trust
+        mask drops them (non_finite), so a non-finite loss comes from the learner's own numbers.
 
         ZeRO stages 1-3 (DeepSpeed 0.19) already refuse such a step: a non-finite global gradient norm zeroes the
         gradients, skips the optimizer and reports the norm as inf (`DeepSpeedZeroOptimizer.step`). Stage 0 wraps the
@@ -287,9 +292,12 @@ class LearnerActor:
         # DeepSpeed reports a skipped step's norm as inf; stage 0 skips only when the ranks agreed it was bad.
         skipped = bad or (self.config.learner.zero_stage > 0 and not math.isfinite(sums["grad_norm"]))
         # A bad step is a skipped one with a broken gradient; fp16's scale search skips finite-loss steps by design.
-        fp16_search = self.config.model.dtype == "float16" and math.isfinite(sums["loss"])
+        fp16_search = self.config.model.dtype == "float16" and math.isfinite(loss)
+        bad_now = skipped and not fp16_search
         sums["skipped"] = sums.get("skipped", False) or skipped  # any epoch
-        sums["bad"] = sums.get("bad", False) or (skipped and not fp16_search)
+        if bad_now and not sums.get("bad"):  # the first bad epoch's cause
+            sums["bad_cause"] = "gradient" if math.isfinite(loss) else "loss"
+        sums["bad"] = sums.get("bad", False) or bad_now
 
     def _poison_gradients(self) -> None:
         """Fault injection (MINT_FAULTS=nan_loss@STEP; tests and drills only): this step's gradient becomes NaN on

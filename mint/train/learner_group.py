@@ -107,6 +107,9 @@ class LearnerGroup:
         sums["lr"] = per_rank[0]["lr"]
         sums["skipped"] = any(r["skipped"] for r in per_rank)
         sums["bad"] = any(r["bad"] for r in per_rank)
+        causes = {r.get("bad_cause") for r in per_rank} - {None}
+        if causes:  # a non-finite loss on any rank explains the others' non-finite gradients too
+            sums["bad_cause"] = "loss" if "loss" in causes else "gradient"
         trust = TrustCounts()
         for r in replicas:
             trust.add(r["trust"])

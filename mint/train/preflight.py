@@ -3,9 +3,10 @@
 `mint.config` checks a recipe's keys on their own; this module opens what they point at: the model directory (its
 config.json, read as JSON, never the weights), the tokenizer, the dataset and the eval set, the reward function,
 the stop tokens and the catalog path; it checks what the actors would refuse at start (expert parallel against the
-base's experts, the adapter layout the engines read, fp16 on a CPU learner); and it checks the launch line of the
+base's experts, the adapter layout the engines read, fp16 on a CPU learner); it checks the launch line of the
 engine servers the run starts (`engines.start`) against what vLLM or SGLang accept (a LoRA rank, LoRA module
-names). The first problem raises `ConfigError` with one line that names the key and the fix, so a run that would fail
+names); and with R3 on an MoE base it asks each engine that already runs (`engines.urls`) for one routed sample.
+The first problem raises `ConfigError` with one line that names the key and the fix, so a run that would fail
 after Ray started (20-25 s), or train on prompts longer than the model's context, fails before it starts. The
 actors' own checks of the same things call the functions here (`check_expert_parallel`, `engine_adapter_layout`,
 `check_prompt_lengths`): one implementation.
@@ -76,9 +77,10 @@ def preflight(config: Config) -> Preflight:
     eval set, one reward call; then (after the heavy imports) fp16 on a CPU learner, a tiny or hub model, the
     tokenizer, the stop tokens, expert parallel against the base's experts, R3's routers, DSA indexer replay's base
     and engines, the base and adapter layout a vllm/sglang engine is handed, and the length of every training and
-    eval prompt. Raises ConfigError (one line, naming the key) on the first problem. Starts nothing and writes
-    nothing: no Ray, no run directory, no tiny base build (a tiny base not yet cached is checked with its tokenizer
-    and config, built in memory).
+    eval prompt; last, with grpo.r3 on an MoE base, that every engine of engines.urls sends expert routes back (one
+    sample of one token each). Raises ConfigError (one line, naming the key) on the first problem. Starts nothing
+    and writes nothing: no Ray, no run directory, no tiny base build (a tiny base not yet cached is checked with its
+    tokenizer and config, built in memory).
     """
     start = time.perf_counter()
     if config.engines.start:
@@ -123,13 +125,17 @@ def preflight(config: Config) -> Preflight:
             f"{model.max_positions} positions; lower it"
         )
     with _quiet("transformers"):  # its "sequence length is longer than" warning would be a second stderr line
-        lengths = [len(prompt_tokens(tokenizer, ex, config.data.system_prompt)) for ex in examples]
+        rendered = [prompt_tokens(tokenizer, ex, config.data.system_prompt) for ex in examples]
         eval_lengths = [len(prompt_tokens(tokenizer, ex, config.data.system_prompt)) for ex in held_out]
+    lengths = [len(tokens) for tokens in rendered]
     stream = not isinstance(dataset, FileDataset)
     over = check_prompt_lengths("data.source", lengths, limit, config, _which(stream))
     if held_out:  # sampled on the same actors with the same rollout.max_tokens
         check_prompt_lengths("eval.source", eval_lengths, limit, config, _which(eval_stream))
     longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if config.grpo.r3 and config.engines.urls and config.rollout.backend in ("vllm", "sglang"):
+        # Last: the one check that talks to another process (one short request per engine).
+        check_engine_routes(config, _model_config(model), min(rendered, key=len)[-limit:])
     return Preflight(
         model_path=model.path,
         tiny_family=model.tiny_family,
@@ -234,6 +240,50 @@ def check_route_replay(model_config) -> None:
         check_replayable(find_routers(skeleton))
     except LongStrawError as err:
         raise ConfigError(f"grpo.r3: {err}") from None
+
+
+def check_engine_routes(config: Config, model_config, prompt: list[int]) -> None:
+    """grpo.r3 on an MoE base with engines that already run (engines.urls): ask each engine for one sample of one
+    token of `prompt` and refuse, in one line naming the engine and the fix, when it sends no expert routes back (a
+    vLLM or SGLang server started without --enable-return-routed-experts) or routes that do not fit the base. Either
+    way every response token of the run would be masked (route_missing, or route_layers and the like) and its LoRA
+    gradient would be zero: the run would go to its last step and learn nothing. An engine that is down is refused
+    here too (the rollout actors would stop on it at their start). A dense base has nothing to replay."""
+    from longstraw.routing import ROUTE_REASONS, route_status
+    from mint.models.specs import moe_layout
+    from mint.rollout.backends import EngineError, http_backend
+    from mint.rollout.engine import SamplingParams
+
+    layout = moe_layout(model_config)
+    if layout is None:
+        return
+    backend_name = config.rollout.backend
+    params = SamplingParams(temperature=config.rollout.temperature, max_tokens=1)
+    for url in config.engines.urls:
+        try:
+            backend = http_backend(backend_name, [url], layout, config.engines.request_timeout)
+            try:
+                group = backend.generate([prompt], 1, params, config.grpo.seed)[0]
+            finally:
+                backend.close()
+        except EngineError as err:
+            raise ConfigError(f"engines.urls: {err}") from None
+        completion = group.completions[0]
+        status = route_status(completion.routes_R_L_K, len(completion.tokens_R), layout)
+        if bool((status == 0).any()):
+            continue
+        reason = ROUTE_REASONS[int(status[0]) - 1]
+        if reason == "route_missing":
+            raise ConfigError(
+                f"grpo.r3: the {backend_name} engine at {url} sent no expert routes with its sample, so every token "
+                "would be masked route_missing and the run would learn nothing; start it with "
+                "--enable-return-routed-experts, or set grpo.r3=false"
+            )
+        raise ConfigError(
+            f"grpo.r3: the {backend_name} engine at {url} sent expert routes that do not fit {config.model.path} "
+            f"({reason}), so every token would be masked and the run would learn nothing; serve that base there, "
+            "or set grpo.r3=false"
+        )
 
 
 def cpu_fp16_supported() -> bool:

@@ -118,7 +118,7 @@ def _figure(nrows: int = 1) -> tuple[Figure, list]:
 def _lines(ax, rows: list[dict], keys: list[str], **style) -> None:
     for key in keys:
         ax.plot(*series(rows, key), label=key, **style)
-    if keys:  # two legend columns once there are many (the masked_* causes number seven)
+    if keys:  # two legend columns once there are many (the masked_* reasons number eight)
         ax.legend(fontsize=6, loc="best", ncol=2 if len(keys) > 4 else 1)
 
 

@@ -10,7 +10,9 @@ rest of the trainer does not know which engine ran:
                     positions 0..P-2 (R3, `mint.rollout.engine`'s docstring)
 
 An engine that returns no routes (or routes that do not line up with the tokens) gives None: the learner's trust mask
-then counts those tokens as `route_missing` and R3 leaves them out, as for any missing record.
+then counts those tokens as `route_missing` and R3 leaves them out, as for any missing record. With R3 on, preflight
+asks each listed engine for one routed sample and refuses one that sends none, and a run whose tokens are nearly all
+masked stops (docs/mismatch.md).
 
 Engines (`engines.urls`) are servers that already run. One group's G samples go to one engine in one request, so
 they share its prefix cache; groups are spread round-robin over the engines and sent concurrently, so each engine
