@@ -1,0 +1,144 @@
+"""What a crash at any moment leaves behind is whole, and recovery holds up under the failures it is for.
+
+The crash tests kill a real process with SIGKILL at every filesystem step of an operation (tests/crash_points.py)
+and check each state it leaves as its next user would: `mint revisions verify --all`, a second publish, or the
+search for a checkpoint that `--resume` makes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from crash_points import killed_at_every_step
+
+from mint.cli import main
+from mint.hub.catalog import Catalog
+from mint.hub.revisions import ADAPTER_FILE, CONFIG_FILE, META_FILE
+
+CONFIG = {"r": 2, "lora_alpha": 4.0, "peft_type": "LORA"}
+# The body a crashed process runs has these tensors too: seed -> the revision's tensors.
+TENSORS = """
+import torch
+def tensors(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"x.lora_A.weight": torch.randn(2, 3, generator=g), "x.lora_B.weight": torch.randn(3, 2, generator=g)}
+"""
+CATALOG_IMPORTS = "import torch\nfrom mint.hub import Catalog"
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    scope: dict = {}
+    exec(TENSORS, scope)
+    return scope["tensors"](seed)
+
+
+def _verify_all(capsys, catalog: Path) -> tuple[int, list[str]]:
+    """`mint revisions verify --all` on `catalog`: its exit status and output lines."""
+    code = main(["revisions", "verify", "--all", "--catalog", str(catalog)])
+    return code, capsys.readouterr().out.splitlines()
+
+
+def _revision_dirs(catalog: Path) -> set[str]:
+    """Every directory under revisions/<id[:2]>/, hidden ones included."""
+    return {d.name for shard in (catalog / "revisions").iterdir() for d in shard.iterdir()}
+
+
+# ---- the catalog: gc and publish ----
+
+
+def test_gc_killed_at_any_step_leaves_a_catalog_that_verifies_and_republishes_whole(tmp_path, capsys):
+    """kill -9 of `gc` at each of its steps. gc used to mark a revision unstored and then delete its directory in
+    place: killed after the first file went, it left a partial directory under the revision's name, and publishing
+    the same tensors again kept that directory (it existed) and marked the entry stored, so the index pointed at a
+    partial revision and verify failed. Now the directory is renamed aside first, and a publish rewrites whatever is
+    not whole."""
+    state = tmp_path / "state"
+    with Catalog(state / "cat") as cat:
+        first = cat.put(_tensors(0), CONFIG, run="a", step=0)
+        cat.put(_tensors(1), CONFIG, run="a", step=1, parent=first.id)
+    body = "with Catalog(root / 'cat') as cat:\n    cat.gc(keep_last=1)"
+    killed = killed_at_every_step(body, state, tmp_path / "crashes", CATALOG_IMPORTS)
+    assert len(killed) >= 4, killed  # before the first step, and after each file and directory gc touches
+
+    for crashed in killed:
+        catalog = crashed / "cat"
+        code, out = _verify_all(capsys, catalog)
+        assert code == 0 and out[-1].endswith("all good"), (crashed.name, out)
+        with Catalog(catalog) as cat:
+            again = cat.put(_tensors(0), CONFIG, run="b", step=7)  # published again, by another run
+            assert again.stored and (again.run, again.step) == ("a", 0)
+            cat.load(again.id)  # the tensors hash to the id
+        code, out = _verify_all(capsys, catalog)
+        assert code == 0 and out[-1].endswith("all good"), (crashed.name, out)
+        with Catalog(catalog) as cat:
+            cat.gc(keep_last=1)  # removes what the crash set aside, with no grace period
+            stored = {m.id for m in cat.list(stored=True, limit=None)}
+        assert _revision_dirs(catalog) == stored, crashed.name
+
+
+def test_publish_killed_at_any_step_then_published_again_verifies_clean(tmp_path, capsys):
+    """kill -9 of a publish (`Catalog.put`) at each of its steps, then the same tensors published again, as a
+    resumed run does. Killed after its directory was renamed into place but before the entry was inserted, the
+    publish left a whole directory with no entry; the second publish kept the directory and inserted an entry of its
+    own, whose `created` differed from the directory's, so verify reported mint_revision.json as differing from the
+    index. Now the directory's own metadata becomes the entry (the first publish wins, as everywhere)."""
+    state = tmp_path / "state"
+    with Catalog(state / "cat") as cat:
+        parent = cat.put(_tensors(0), CONFIG, run="a", step=0).id
+    put = f"cat.put(tensors(1), {CONFIG!r}, run='a', step=1, parent={parent!r})"
+    body = f"{TENSORS}\nwith Catalog(root / 'cat') as cat:\n    {put}"
+    killed = killed_at_every_step(body, state, tmp_path / "crashes", CATALOG_IMPORTS)
+    assert len(killed) >= 2, killed  # before the directory is renamed into place, and after
+
+    for crashed in killed:
+        with Catalog(crashed / "cat") as cat:
+            meta = cat.put(_tensors(1), CONFIG, run="a", step=1, parent=parent)
+            assert (meta.step, meta.parent, meta.stored) == (1, parent, True)
+        code, out = _verify_all(capsys, crashed / "cat")
+        assert code == 0 and out[-1].endswith("all good"), (crashed.name, out)
+
+
+def _break_missing(path: Path, name: str) -> None:
+    (path / name).unlink()
+
+
+def _break_flipped(path: Path, name: str) -> None:
+    data = bytearray((path / name).read_bytes())
+    data[-2] ^= 0x01  # one bit of the last weight: the file parses, the hash does not match
+    (path / name).chmod(0o644)
+    (path / name).write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "name"),
+    [
+        (_break_missing, ADAPTER_FILE),
+        (_break_missing, CONFIG_FILE),
+        (_break_missing, META_FILE),
+        (_break_flipped, ADAPTER_FILE),
+    ],
+    ids=["no-tensors", "no-config", "no-metadata", "flipped-tensors"],
+)
+def test_republishing_over_a_partial_revision_directory_rewrites_it(tmp_path, capsys, damage, name):
+    """A reclaimed revision whose directory is still there but not whole (what an older Mint's gc, killed
+    mid-delete, left: some files gone; or a flipped bit) is published again: the publish used to keep the directory
+    because it existed and mark the entry stored, so verify failed and loading it was refused. It is rewritten now."""
+    with Catalog(tmp_path / "cat") as cat:
+        first = cat.put(_tensors(0), CONFIG, run="a", step=0)
+        cat.put(_tensors(1), CONFIG, run="a", step=1, parent=first.id)
+        directory = cat.revision_dir(first.id)
+        kept = {p.name: p.read_bytes() for p in directory.iterdir()}
+        cat.gc(keep_last=1)
+        directory.mkdir()
+        for file, data in kept.items():
+            (directory / file).write_bytes(data)
+        damage(directory, name)
+
+        again = cat.put(_tensors(0), CONFIG, run="a", step=0)
+        assert again.stored
+        cat.load(first.id)
+        assert sorted(p.name for p in directory.iterdir()) == sorted(kept)
+    code, out = _verify_all(capsys, tmp_path / "cat")
+    assert code == 0 and out[-1].endswith("all good"), out
