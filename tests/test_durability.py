@@ -142,3 +142,49 @@ def test_republishing_over_a_partial_revision_directory_rewrites_it(tmp_path, ca
         assert sorted(p.name for p in directory.iterdir()) == sorted(kept)
     code, out = _verify_all(capsys, tmp_path / "cat")
     assert code == 0 and out[-1].endswith("all good"), out
+
+
+# ---- checkpoints ----
+
+CHECKPOINT_BODY = """
+from mint.train import checkpoint
+from mint.train.checkpoint import RunState
+
+# Step 2 written again (a restart re-ran it: the same step's checkpoint is replaced), then step 4, which with
+# keep_last = 1 discards step 2. The ranks' files say which writing of which step they belong to.
+for step, writing in ((2, 2), (4, 1)):
+    partial = checkpoint.begin(root, step)
+    (partial / "deepspeed").mkdir()
+    for rank in range(2):
+        (partial / "deepspeed" / f"rank_{rank}.pt").write_text(f"step {step} writing {writing}")
+        (partial / "rng" / f"rank_{rank}.pt").write_text(f"step {step} writing {writing}")
+    checkpoint.commit(partial, RunState(step=step, revision=str(writing) * 64), "digest", keep_last=1)
+"""
+
+
+def test_a_checkpoint_replace_killed_at_any_step_leaves_a_whole_checkpoint_to_resume(tmp_path):
+    """kill -9 while a checkpoint replaces the one of the same step (keep_last = 1), and while the next one discards
+    it. The replace used to delete the old checkpoint before renaming the new one into place: killed in between,
+    the run had no checkpoint at all, and killed mid-delete, `latest` returned a directory with files missing. Now
+    the old one is set aside and deleted only once the new one is in place, and `latest` puts it back if the new
+    one never got there."""
+    state = tmp_path / "state"
+    exec(CHECKPOINT_BODY.replace("((2, 2), (4, 1))", "((2, 1),)"), {"root": state})  # the checkpoint replaced
+    killed = killed_at_every_step(CHECKPOINT_BODY, state, tmp_path / "crashes", "import mint.train.checkpoint")
+    assert len(killed) >= 6, killed
+
+    from mint.train import checkpoint
+
+    def whole(directory: Path) -> bool:
+        run_state = checkpoint.read(directory, "digest")
+        expected = f"step {run_state.step} writing {run_state.revision[0]}"
+        parts = [directory / part / f"rank_{rank}.pt" for part in ("deepspeed", "rng") for rank in range(2)]
+        return all(p.is_file() and p.read_text() == expected for p in parts)
+
+    for crashed in killed:
+        latest = checkpoint.latest(crashed)  # what --resume restores
+        assert latest is not None and whole(latest), crashed.name
+        left = sorted(p.name for p in (crashed / "checkpoints").iterdir())
+        # every directory under a checkpoint's name is whole; what the crash set aside is settled
+        assert all(whole(crashed / "checkpoints" / n) for n in left if n.startswith("step_")), (crashed.name, left)
+        assert all(n.startswith("step_") or n.endswith(".partial") for n in left), (crashed.name, left)
