@@ -7,6 +7,7 @@ search for a checkpoint that `--resume` makes.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,35 @@ def test_a_checkpoint_replace_killed_at_any_step_leaves_a_whole_checkpoint_to_re
         # every directory under a checkpoint's name is whole; what the crash set aside is settled
         assert all(whole(crashed / "checkpoints" / n) for n in left if n.startswith("step_")), (crashed.name, left)
         assert all(n.startswith("step_") or n.endswith(".partial") for n in left), (crashed.name, left)
+
+
+# ---- the per-step logs on resume ----
+
+
+def test_resume_cuts_every_step_log_back_to_the_checkpoint_and_drops_a_torn_last_line(tmp_path):
+    """A driver killed mid-write leaves metrics.jsonl ending in half a line, and samples.jsonl holds rows of the
+    steps after the checkpoint. Resuming used to fail with a JSONDecodeError traceback on the torn line, and left
+    samples.jsonl alone, so the resumed run logged those steps' samples twice."""
+    from mint.train.metrics import truncate_step_logs
+
+    metrics = "".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in range(1, 6))
+    (tmp_path / "metrics.jsonl").write_text(metrics + '{"step": 6, "lo')
+    samples = "".join(json.dumps({"step": s, "completion": c}) + "\n" for s in range(1, 7) for c in "ab")
+    (tmp_path / "samples.jsonl").write_text(samples)
+
+    truncate_step_logs(tmp_path, 4)
+    for name, per_step in (("metrics.jsonl", 1), ("samples.jsonl", 2)):
+        text = (tmp_path / name).read_text()
+        assert text.endswith("\n")
+        steps = [json.loads(line)["step"] for line in text.splitlines()]
+        assert steps == [s for s in range(1, 5) for _ in range(per_step)], name
+
+
+def test_a_complete_last_line_missing_its_newline_is_kept_and_ended(tmp_path):
+    """A kill between a row and its newline leaves a last line that parses; kept, it must end with a newline, or the
+    resumed run's next row would be glued to it."""
+    from mint.train.metrics import truncate_step_logs
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}')
+    truncate_step_logs(tmp_path, 2)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'

@@ -19,8 +19,9 @@ and clears the rest, so a resume finds a whole checkpoint whichever moment a cra
 
 What is not here, because it is elsewhere or recomputed: the LoRA tensors as a revision (the catalog holds every
 step's revision; state.json names it and a restore checks the learner's weights hash to it), rollout RNGs (each
-step's sampling seed is derived from grpo.seed and the step), and metrics (metrics.jsonl is cut back to the
-checkpoint's step on resume, so a resumed run appends without duplicating steps).
+step's sampling seed is derived from grpo.seed and the step), and the per-step logs (metrics.jsonl and
+samples.jsonl are cut back to the checkpoint's step on resume, `mint.train.metrics.truncate_step_logs`, so a resumed
+run appends without duplicating steps).
 """
 
 from __future__ import annotations
@@ -146,19 +147,6 @@ def changeable_keys() -> str:
         ", ".join(RESULT_NEUTRAL) + "; but not grpo.steps under a cosine learner.lr_schedule, nor checkpoint.every "
         "with rollout.max_staleness >= 1"
     )
-
-
-def truncate_metrics(run_dir: Path, step: int) -> None:
-    """Keep the metrics lines of steps <= `step` (atomically), so a resumed run appends without duplicates."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines(keepends=True) if line.strip()]
-    kept = [line for line in kept if json.loads(line).get("step", 0) <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    _fsync(tmp)
-    os.replace(tmp, path)
 
 
 def _fsync(path: Path) -> None:
