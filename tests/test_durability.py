@@ -8,7 +8,9 @@ search for a checkpoint that `--resume` makes.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -221,3 +223,77 @@ def test_a_complete_last_line_missing_its_newline_is_kept_and_ended(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}')
     truncate_step_logs(tmp_path, 2)
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+# ---- the node watchdog ----
+
+
+def _watched_cluster(node: str = "n1") -> SimpleNamespace:
+    """What the watchdog reads of a Cluster: one learner rank on `node`, and the owners' kill calls, recorded."""
+    slot = SimpleNamespace(actor="learner rank 0")
+    placement = SimpleNamespace(
+        layout=SimpleNamespace(learners=[slot], rollouts=[]), node_of={slot.actor: node}, names={node: "node-1"}
+    )
+    killed: list = []
+    return SimpleNamespace(
+        placement=placement,
+        lost="",
+        _stop=threading.Event(),
+        fleet=SimpleNamespace(node_left=lambda what, actors: killed.append(("fleet", actors))),
+        learners=SimpleNamespace(kill=lambda ranks: killed.append(("learners", ranks))),
+        killed=killed,
+    )
+
+
+def _nodes(answers: list):
+    """A stand-in for ray.nodes() giving `answers` in turn: an exception is raised, a list of alive ids returned."""
+
+    def nodes():
+        answer = answers.pop(0) if answers else answers_end
+        if isinstance(answer, Exception):
+            raise answer
+        return [{"NodeID": n, "Alive": True} for n in answer]
+
+    answers_end = ["n1"]
+    return nodes
+
+
+def _fast_polls(monkeypatch, cluster_mod) -> None:
+    """Milliseconds instead of seconds between the watchdog's asks (raising=False: a watchdog without backoff
+    has no NODE_POLL_MAX_S)."""
+    monkeypatch.setattr(cluster_mod, "NODE_POLL_S", 0.001)
+    monkeypatch.setattr(cluster_mod, "NODE_POLL_MAX_S", 0.004, raising=False)
+
+
+def test_the_node_watchdog_outlives_transient_gcs_errors_and_still_sees_a_node_leave(monkeypatch):
+    """ray.nodes() fails three times (the GCS restarting), answers, then the learner's node is gone. The watchdog
+    used to stop for good at the first failure, so the node's loss went unnoticed and the run waited on its actors."""
+    from mint.train import cluster as cluster_mod
+
+    _fast_polls(monkeypatch, cluster_mod)
+    answers = [ConnectionError("GCS unavailable")] * 3 + [["n1"], []]
+    monkeypatch.setattr(cluster_mod.ray, "nodes", _nodes(answers))
+    watched = _watched_cluster()
+    cluster_mod._watch(watched)
+    assert watched.lost == "node node-1 left the cluster with learner rank 0 on it"
+    assert ("learners", [0]) in watched.killed and answers == []
+
+
+def test_the_node_watchdog_gives_up_after_its_bound_with_one_line(monkeypatch, capsys):
+    """ray.nodes() never answers: the watchdog stops after NODE_POLL_FAILURES failures in a row, saying so in one
+    line, and marks nothing lost; an answer in between restarts the count."""
+    from mint.train import cluster as cluster_mod
+
+    _fast_polls(monkeypatch, cluster_mod)
+    n = 4
+    monkeypatch.setattr(cluster_mod, "NODE_POLL_FAILURES", n, raising=False)
+    answers = [ConnectionError("GCS unavailable")] * (n - 1) + [["n1"]] + [ConnectionError("GCS\nunavailable")] * n
+    monkeypatch.setattr(cluster_mod.ray, "nodes", _nodes(answers))
+    watched = _watched_cluster()
+    cluster_mod._watch(watched)
+    assert answers == [] and watched.lost == "" and watched.killed == []
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"mint: the node watchdog stopped: ray.nodes() failed {n} times in a row (last: GCS); a node that leaves is "
+        "now noticed only when a call on it fails"
+    ]
