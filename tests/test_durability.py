@@ -8,6 +8,7 @@ search for a checkpoint that `--resume` makes.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -297,3 +298,70 @@ def test_the_node_watchdog_gives_up_after_its_bound_with_one_line(monkeypatch, c
         f"mint: the node watchdog stopped: ray.nodes() failed {n} times in a row (last: GCS); a node that leaves is "
         "now noticed only when a call on it fails"
     ]
+
+
+# ---- every wait on a learner rank restarts the session when it died ----
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _dying_rank(method: str):
+    """A learner rank stand-in that exits its process when `method` is called (a SIGKILL from outside would do the
+    same); its other calls answer as a LearnerActor's would. Defined here so Ray pickles it by value."""
+
+    class Rank:
+        def __init__(self, *args):
+            pass
+
+        def _maybe_die(self, name: str) -> None:
+            if name == method:
+                os._exit(1)
+
+        def address(self):
+            self._maybe_die("address")
+            return "127.0.0.1", 1
+
+        def setup(self, *args):
+            self._maybe_die("setup")
+
+        def where(self):
+            self._maybe_die("where")
+            return f"(pid {os.getpid()} on 127.0.0.1)"
+
+        def adapter_config(self, path):
+            self._maybe_die("adapter_config")
+            return {}
+
+    return Rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["address", "where"])
+def test_a_learner_rank_dying_while_the_group_starts_is_learner_died(local_ray, monkeypatch, method):
+    """A rank that dies while LearnerGroup.start waits on its address or its place: the bare ray.get there raised
+    Ray's own ActorDiedError, which ended the run, where the same death in a step (LearnerDied) restarts it."""
+    from mint.config import build_config
+    from mint.train import learner_group
+    from mint.train.learner_group import LearnerDied, LearnerGroup
+
+    monkeypatch.setattr(learner_group, "LearnerActor", _dying_rank(method))
+    config = build_config({})
+    with pytest.raises(LearnerDied, match=r"^learner rank \d+ died during start-up$"):
+        LearnerGroup.start(config, [{"num_cpus": 0}], ["path"], ["0" * 8], None)
+
+
+@pytest.mark.slow
+def test_a_learner_rank_dying_in_adapter_config_is_learner_died(local_ray):
+    """adapter_config, the first call of a session after start-up, was a bare ray.get too."""
+    from mint.train.learner_group import LearnerDied, LearnerGroup
+
+    group = LearnerGroup([local_ray.remote(_dying_rank("adapter_config")).options(num_cpus=0).remote()])
+    group.where = ["(pid 1 on 127.0.0.1, node 00000000)"]
+    with pytest.raises(LearnerDied, match=r"learner rank 0 \(pid 1 .*\) died during adapter_config"):
+        group.adapter_config("path")
