@@ -7,12 +7,14 @@ its shard redone), a SIGKILLed learner rank (the actors restarted from the check
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -99,6 +101,31 @@ def test_kill_9_of_the_driver_then_resume_is_bit_identical(tmp_path, reference):
     assert summary["revision"] == reference["revision"]
     assert [m["step"] for m in _metrics(run)] == list(range(1, STEPS + 1))  # appended, no step twice
     assert summary["reward_first"] == reference["reward_first"] and summary["steps"] == STEPS
+
+
+def test_kill_9_mid_write_of_metrics_then_resume_logs_every_step_and_sample_once(tmp_path, reference):
+    """The driver SIGKILLed halfway through writing step 5's metrics line (MINT_FAULTS=torn_metrics@5: a kill -9
+    landing mid-write), after the checkpoint of step 4 and after step 5's samples were logged. --resume used to stop
+    with a JSONDecodeError traceback on the torn line, and it never cut samples.jsonl back, so step 5's samples would
+    have been logged twice. It now cuts every per-step log back to step 4 and ends at the uninterrupted revision."""
+    run = tmp_path / "torn"
+    logs = "logging.samples_every=1"
+    mark = new_run_mark()
+    code, _, err = _finish(_start(_cmd(tmp_path, "torn", logs), MINT_FAULTS="torn_metrics@5", **run_mark_env(mark)))
+    assert code == -signal.SIGKILL, err[-3000:]
+    for pid in processes_of_run(mark, "ray"):  # Ray's processes fate-share with the driver; any straggler goes now
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    torn = (run / "metrics.jsonl").read_text()
+    assert not torn.endswith("\n") and [json.loads(line)["step"] for line in torn.splitlines()[:-1]] == [1, 2, 3, 4]
+    assert 5 in {json.loads(line)["step"] for line in (run / "samples.jsonl").read_text().splitlines()}
+
+    code, out, err = _finish(_start(_cmd(tmp_path, "torn", logs, "--resume")))
+    assert code == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["revision"] == reference["revision"]
+    assert [m["step"] for m in _metrics(run)] == list(range(1, STEPS + 1))
+    sampled = Counter(json.loads(line)["step"] for line in (run / "samples.jsonl").read_text().splitlines())
+    assert sorted(sampled) == list(range(1, STEPS + 1)) and len(set(sampled.values())) == 1, sampled
 
 
 def test_resume_refuses_a_recipe_that_computes_something_else(tmp_path, reference):

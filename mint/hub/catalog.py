@@ -8,8 +8,11 @@ Layout of a catalog directory (several runs may share one):
 
 An entry is written after its directory is in place, so the index never points at a half-written revision. Files are
 read-only once written (directories stay writable for gc). Entries are never edited, except `stored`, which gc clears
-when it reclaims a revision's tensors. Lineage stays whole: gc keeps the entry of every revision that has a kept
-descendant, so `lineage(id)` of a kept revision always reaches the root. `mint.hub.integrity` checks the files against
+when it reclaims a revision's tensors. gc clears it before it touches the directory, and renames the directory aside
+(`.<id>.discarded-XXXXXXXX`) before it empties it, so no crash leaves a partial directory under a revision's name; a
+publish keeps a directory already there only when its files are whole and hash to the id, and rewrites it otherwise.
+Lineage stays whole: gc keeps the entry of every revision that has a kept descendant, so `lineage(id)` of a kept
+revision always reaches the root. `mint.hub.integrity` checks the files against
 their entries (`mint revisions verify`).
 
 Refs accepted wherever a revision is named: a full id, a name (`tag --name`), `RUN@latest`, `RUN@STEP`, or a unique
@@ -22,7 +25,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import shutil
 import sqlite3
 import threading
 import time
@@ -35,13 +37,14 @@ import torch
 
 from mint.errors import MintError
 from mint.hub._fs import require_local_fs
+from mint.hub._retention import orphan_dirs, retention
 from mint.hub._schema import (
     _HEX,
     _METRIC,
     _SCHEMA,
     _SELECT,
     DB_FILE,
-    ORPHAN_GRACE_S,
+    ORPHAN_GRACE_S,  # noqa: F401 - re-exported: gc's grace period, as callers have always read it here
     SCHEMA_VERSION,
     GcPlan,
     RecordShard,
@@ -50,9 +53,14 @@ from mint.hub._schema import (
 from mint.hub.revisions import (
     ADAPTER_FILE,
     RevisionMeta,
+    discard_dir,
+    file_record,
     publishable_id,
     read_adapter_bytes,
+    read_record,
     read_revision_dir,
+    recorded_revision,
+    same_json,
     write_revision_dir,
 )
 
@@ -165,7 +173,9 @@ class Catalog:
         """Publish tensors as a revision and return its entry. Idempotent: the same tensors are the same revision,
         and the first publish's metadata stands. The parent must already be in this catalog (so lineage is acyclic).
         Tensors holding any NaN or inf are refused before anything is written (`admit`); `admitted` is the id `admit`
-        already gave these very tensors, whose check and hash are then not done twice."""
+        already gave these very tensors, whose check and hash are then not done twice. A directory already at the
+        revision's place is kept only when it is whole (every file there, the tensors hashing to the id) and
+        carries the entry's metadata; anything else there is set aside and the revision written again."""
         rid = admitted or publishable_id(tensors, run, step)
         existing = self.find(rid)
         if existing is not None and existing.stored:
@@ -189,15 +199,25 @@ class Catalog:
         )
         target = self.revision_dir(rid)
         first = existing or meta  # tensors reclaimed and published again: the files carry the entry's metadata
-        record = {k: v for k, v in first.to_dict().items() if k not in ("nbytes", "stored")}
-        write_revision_dir(target, tensors, first.lora_config, record)
+        found = recorded_revision(target, rid) if target.exists() else None  # None unless whole (a crash's leftover)
+        if existing is None and found is not None and self._known_parent(found):
+            first = found  # a first publish killed between its rename and its insert: it wins, as any first publish
+        elif found is None or existing is None or not same_json(file_record(found), file_record(existing)):
+            discard_dir(target)  # does not count as written: set aside, written afresh, and the index never sees it
+        write_revision_dir(target, tensors, first.lora_config, file_record(first), revision=rid)  # keeps a whole one
+        if existing is None and not same_json(read_record(target), file_record(first)):
+            # A concurrent publish of the same tensors renamed its directory into place first: its metadata wins
+            first = recorded_revision(target, rid) or first
         nbytes = (target / ADAPTER_FILE).stat().st_size
         with self._tx() as db:
             if existing is not None:  # tensors reclaimed by gc earlier, published again: they are back
                 db.execute("UPDATE revisions SET stored = 1 WHERE id = ?", (rid,))
             else:
-                self._insert(db, [dataclasses.replace(meta, nbytes=nbytes)])
+                self._insert(db, [dataclasses.replace(first, nbytes=nbytes, stored=True)])
         return self.get(rid)
+
+    def _known_parent(self, meta: RevisionMeta) -> bool:
+        return meta.parent is None or meta.parent == meta.id or self.find(meta.parent) is not None
 
     def _insert(self, db: sqlite3.Connection, metas: Iterable[RevisionMeta]) -> int:
         configs: dict[int, tuple[dict, str]] = {}  # id(config dict) -> (the dict, kept alive; its hash)
@@ -435,55 +455,25 @@ class Catalog:
         whole = run is None or drop_entries  # dropping needs every run's kept revisions; pruning one run does not
         sql = "SELECT id, run, parent, stored, nbytes FROM revisions" + ("" if whole else " WHERE run = ?")
         rows = self._query(sql + " ORDER BY seq", () if whole else (run,))
-        info = {rid: (r_run, parent, bool(stored), nbytes) for rid, r_run, parent, stored, nbytes in rows}
-        keep = {r[0] for r in self._query("SELECT id FROM tags UNION SELECT id FROM names")} & set(info)
-        by_run: dict[str, list[str]] = {}
-        for rid, r_run, *_ in rows:
-            by_run.setdefault(r_run, []).append(rid)
-        for ids in by_run.values():  # every run counts for what is kept; only `run` is pruned
-            keep.update(ids if keep_last == 0 else ids[-keep_last:])
-        scope = [rid for rid, r_run, *_ in rows if run is None or r_run == run]
-        prune = [rid for rid in scope if info[rid][2] and rid not in keep]
-        drop: list[str] = []
-        if drop_entries:
-            needed: set[str] = set()  # kept revisions and all their ancestors: the entries lineage walks need
-            for rid in keep:
-                while rid is not None and rid in info and rid not in needed:
-                    needed.add(rid)
-                    rid = info[rid][1]
-            drop = [rid for rid in scope if rid not in needed]
-        freed = sum(info[rid][3] for rid in set(prune) | {rid for rid in drop if info[rid][2]})
-        return GcPlan(keep_last, tuple(sorted(keep)), tuple(prune), tuple(drop), tuple(self._orphans()), freed)
-
-    def _orphans(self) -> list[str]:
-        base = self.root / "revisions"
-        if not base.is_dir():
-            return []
-        cutoff = time.time() - ORPHAN_GRACE_S
-        out = []
-        for shard in base.iterdir():
-            for d in shard.iterdir() if shard.is_dir() else ():
-                if d.stat().st_mtime > cutoff:
-                    continue
-                if d.name.startswith("."):  # a temp dir left by a crashed write
-                    out.append(str(d.relative_to(self.root)))
-                    continue
-                found = self._query("SELECT stored FROM revisions WHERE id = ?", (d.name,))
-                if not found or not found[0][0]:
-                    out.append(str(d.relative_to(self.root)))
-        return sorted(out)
+        tagged = {r[0] for r in self._query("SELECT id FROM tags UNION SELECT id FROM names")}
+        keep, prune, drop, freed = retention(rows, tagged, keep_last, run, drop_entries)
+        orphans = orphan_dirs(
+            self.root, lambda rid: bool(self._query("SELECT 1 FROM revisions WHERE id = ? AND stored", (rid,)))
+        )
+        return GcPlan(keep_last, tuple(sorted(keep)), tuple(prune), tuple(drop), tuple(orphans), freed)
 
     def apply_gc(self, plan: GcPlan) -> GcPlan:
-        """Carry out a plan: entries change first (in one transaction), then directories go, so a crash in between
-        leaves only orphan directories, which the next gc removes."""
+        """Carry out a plan: entries change first (in one transaction), then directories go, each renamed aside
+        before it is emptied (`discard_dir`). A crash in between leaves a whole orphan directory or a hidden one set
+        aside, never a partial directory under a revision's name; the next gc removes them."""
         with self._tx() as db:
             db.executemany("UPDATE revisions SET stored = 0 WHERE id = ?", [(rid,) for rid in plan.prune])
             db.executemany("DELETE FROM revisions WHERE id = ?", [(rid,) for rid in plan.drop])
             db.executemany("DELETE FROM tags WHERE id = ?", [(rid,) for rid in plan.drop])
         for rid in (*plan.prune, *plan.drop):
-            shutil.rmtree(self.revision_dir(rid), ignore_errors=True)
+            discard_dir(self.revision_dir(rid))
         for rel in plan.orphans:
-            shutil.rmtree(self.root / rel, ignore_errors=True)
+            discard_dir(self.root / rel)
         return plan
 
     def gc(self, keep_last: int, run: str | None = None, drop_entries: bool = False) -> GcPlan:

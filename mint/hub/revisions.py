@@ -8,8 +8,10 @@ A revision on disk is a PEFT adapter directory plus Mint's metadata:
 
 Writes go to a temporary sibling directory; every file is fsynced and made read-only (0o444), the directory is renamed
 into place, and the parent directory is fsynced, so a reader sees a whole revision or none. The directory itself stays
-writable, so gc can delete it. Reads recompute the id from the tensors and refuse a file whose hash differs or that
-does not parse (a partial or corrupt write) with a one-line `MintError`.
+writable, so gc can delete it. Deletes go the other way (`discard_dir`): the directory is renamed to a hidden sibling
+first and emptied there, so no crash leaves part of a revision under its own name. Reads recompute the id from the
+tensors and refuse a file whose hash differs or that does not parse (a partial or corrupt write) with a one-line
+`MintError`.
 
 The index over many revisions (lineage, tags, latest per run) is `mint.hub.catalog`; this module is the file format.
 """
@@ -20,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import struct
 import tempfile
@@ -39,6 +42,9 @@ from mint.errors import MintError
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 META_FILE = "mint_revision.json"
+# The infix of a directory being deleted (`.NAME.discarded-XXXXXXXX`, a hidden sibling): nothing reads it, and gc
+# removes one that a crash left behind at once, without the grace period a temporary directory of a write gets.
+DISCARDED = ".discarded-"
 # Files in a catalog are never written again once in place. Read-only says so to every tool that opens them; it does not
 # stop root (tests run as root), which is why exports copy instead of hard-linking: see export_peft.
 READ_ONLY = 0o444
@@ -194,6 +200,56 @@ def write_revision_dir(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rev
+
+
+def discard_dir(path: Path) -> None:
+    """Delete a directory without ever leaving part of it under its own name: rename it to a hidden sibling
+    (`.NAME.discarded-XXXXXXXX`), then delete that. A reader, or a publisher asking whether a revision is on disk,
+    sees the whole directory or none; a crash mid-delete leaves the hidden sibling, which the next gc removes. A
+    directory already set aside is deleted where it is; a missing one is nothing to do."""
+    path = Path(path)
+    if DISCARDED not in path.name:
+        aside = path.with_name(f".{path.name}{DISCARDED}{secrets.token_hex(4)}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return
+        path = aside
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def file_record(meta: RevisionMeta) -> dict[str, Any]:
+    """What a revision directory's mint_revision.json carries of an entry (nbytes and stored live in the index)."""
+    return {k: v for k, v in meta.to_dict().items() if k not in ("nbytes", "stored")}
+
+
+def read_record(path: Path) -> dict[str, Any] | None:
+    """A revision directory's mint_revision.json, or None when it is missing or does not parse."""
+    try:
+        return json.loads((Path(path) / META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Whether two values are equal as JSON stores them (a tuple as a list, keys in any order)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def recorded_revision(path: Path, rid: str) -> RevisionMeta | None:
+    """The metadata of `path` when it is a whole directory of revision `rid` as a catalog writes one: every file
+    there and parsing, the tensors hashing to `rid`, mint_revision.json naming `rid` with exactly an entry's fields,
+    and the adapter config beside it its LoRA config. None otherwise: a directory counts as written only then, and
+    one whose files a crash left half deleted does not."""
+    try:
+        tensors, config, record = read_revision_files(path)
+        check_revision_id(path, tensors, rid)
+        meta = RevisionMeta.from_dict(record)
+    except (MintError, TypeError):  # TypeError: a field missing
+        return None
+    if meta.id != rid or not same_json(record, file_record(meta)) or not same_json(config, meta.lora_config):
+        return None
+    return meta
 
 
 def read_revision_dir(

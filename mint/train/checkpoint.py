@@ -10,12 +10,18 @@
 
 A checkpoint is written into `checkpoints/.step_NNNNNN.partial/`; once every rank's files and state.json are on disk
 (fsynced) the directory is renamed to `step_NNNNNN`. The rename is the commit: a directory without the suffix is
-complete, and a crash leaves at most a `.partial` one, which the next writer removes.
+complete, and a crash leaves at most a `.partial` one, which the next writer removes. Nothing takes a complete one
+apart under its own name either. A checkpoint of the same step written again replaces the old one in three renames:
+the old one is set aside (`.step_NNNNNN.replaced`), the new one renamed into place, and only then is the old one
+deleted; an old checkpoint past `checkpoint.keep_last` is renamed to `.step_NNNNNN.discarded` before it is emptied.
+`latest` puts back a checkpoint set aside by a replace that a crash cut short (its new one never reached its name)
+and clears the rest, so a resume finds a whole checkpoint whichever moment a crash hit.
 
 What is not here, because it is elsewhere or recomputed: the LoRA tensors as a revision (the catalog holds every
 step's revision; state.json names it and a restore checks the learner's weights hash to it), rollout RNGs (each
-step's sampling seed is derived from grpo.seed and the step), and metrics (metrics.jsonl is cut back to the
-checkpoint's step on resume, so a resumed run appends without duplicating steps).
+step's sampling seed is derived from grpo.seed and the step), and the per-step logs (metrics.jsonl and
+samples.jsonl are cut back to the checkpoint's step on resume, `mint.train.metrics.truncate_step_logs`, so a resumed
+run appends without duplicating steps).
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ from mint.config import RESULT_NEUTRAL
 from mint.errors import ConfigError, MintError
 
 STATE_FILE = "state.json"
-PARTIAL = ".partial"
+PARTIAL = ".partial"  # `.step_NNNNNN.partial`: a checkpoint being written
+REPLACED = ".replaced"  # `.step_NNNNNN.replaced`: the checkpoint a new one of the same step is replacing
+DISCARDED = ".discarded"  # `.step_NNNNNN.discarded`: an old checkpoint being deleted
 
 
 @dataclass
@@ -59,36 +67,60 @@ def checkpoints_dir(run_dir: Path) -> Path:
 
 
 def latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
+    """The newest complete checkpoint of a run, or None; what a crash in the middle of a commit left is settled
+    first (`_settle`)."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return None
+    _settle(root)
     done = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / STATE_FILE).is_file())
     return done[-1] if done else None
 
 
+def _settle(root: Path) -> None:
+    """Finish what a crash cut short in `commit`: a checkpoint set aside for a replace goes back under its name when
+    the new one never got there (it is whole: it was complete when it was set aside), and is deleted when the new
+    one did; an old checkpoint that was being discarded is deleted."""
+    for aside in sorted(root.glob(f".step_*{REPLACED}")):
+        final = root / aside.name[1:].removesuffix(REPLACED)
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(aside, final)
+    for gone in root.glob(f".step_*{DISCARDED}"):
+        shutil.rmtree(gone, ignore_errors=True)
+
+
 def begin(run_dir: Path, step: int) -> Path:
     """A fresh `.partial` directory for step's checkpoint (a leftover from a crash is removed first)."""
-    partial = checkpoints_dir(run_dir) / f".step_{step:06d}{PARTIAL}"
+    root = checkpoints_dir(run_dir)
+    if root.is_dir():
+        _settle(root)
+    partial = root / f".step_{step:06d}{PARTIAL}"
     shutil.rmtree(partial, ignore_errors=True)
     (partial / "rng").mkdir(parents=True)
     return partial
 
 
 def commit(partial: Path, state: RunState, result_digest: str, keep_last: int) -> Path:
-    """Write state.json, fsync everything under `partial`, rename it into place, and drop old checkpoints."""
+    """Write state.json, fsync everything under `partial`, rename it into place (an old checkpoint of the same step
+    is set aside first and deleted after), and drop old checkpoints (each renamed aside before it is emptied)."""
     doc = {"version": 1, "result_digest": result_digest, "state": asdict(state), "driver_rng": _driver_rng()}
     (partial / STATE_FILE).write_text(json.dumps(doc, indent=1, sort_keys=True))
     for path in sorted(partial.rglob("*")):
         _fsync(path)
     _fsync(partial)
     final = partial.parent / partial.name[1:].removesuffix(PARTIAL)
-    if final.exists():  # the same step written again (a restart re-ran it): the new one replaces it
-        shutil.rmtree(final)
+    replaced = final.with_name(f".{final.name}{REPLACED}")
+    if final.exists():  # the same step written again (a restart re-ran it): the old one goes once the new one is in
+        os.rename(final, replaced)
     os.rename(partial, final)
     _fsync(final.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
     for old in sorted(p for p in final.parent.glob("step_*") if p.is_dir())[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        discarded = old.with_name(f".{old.name}{DISCARDED}")
+        os.rename(old, discarded)  # never a half-deleted checkpoint under its name, where `latest` would take it
+        shutil.rmtree(discarded, ignore_errors=True)
     return final
 
 
@@ -116,19 +148,6 @@ def changeable_keys() -> str:
         ", ".join(RESULT_NEUTRAL) + "; but not grpo.steps under a cosine learner.lr_schedule, nor checkpoint.every "
         "with rollout.max_staleness >= 1"
     )
-
-
-def truncate_metrics(run_dir: Path, step: int) -> None:
-    """Keep the metrics lines of steps <= `step` (atomically), so a resumed run appends without duplicates."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines(keepends=True) if line.strip()]
-    kept = [line for line in kept if json.loads(line).get("step", 0) <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    _fsync(tmp)
-    os.replace(tmp, path)
 
 
 def _fsync(path: Path) -> None:

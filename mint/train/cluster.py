@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -36,6 +37,11 @@ from mint.train.rollout_fleet import RolloutFleet
 PLACEMENT_WAIT_S = 120.0
 # How often the watchdog asks the GCS which nodes are alive (one small RPC).
 NODE_POLL_S = 1.0
+# After the n-th failed ask in a row the watchdog waits NODE_POLL_S x 2^n, at most NODE_POLL_MAX_S (2, 4, 8, 16, 16,
+# ... s), and it gives up at NODE_POLL_FAILURES failures in a row, about two minutes after the first: longer than a
+# GCS restart takes, and a run whose GCS stays away that long fails its next call anyway.
+NODE_POLL_MAX_S = 16.0
+NODE_POLL_FAILURES = 10
 
 
 class NodeLost(MintError):
@@ -179,15 +185,33 @@ def _write_placement(run_dir, cluster: Cluster, paths: dict[str, str]) -> None:
 
 def _watch(cluster: Cluster) -> None:
     """The watchdog: when a node holding actors of `cluster` leaves, have their owners kill them, so that every call
-    waiting on them fails at once, and mark the cluster lost. Ends with the cluster."""
+    waiting on them fails at once, and mark the cluster lost. Ends with the cluster.
+
+    A failed `ray.nodes()` (the GCS restarting or briefly unreachable) is tried again with backoff; only
+    NODE_POLL_FAILURES failures in a row stop the watchdog, with one line on stderr. When the run is ending, the
+    cluster's stop event ends the wait at once."""
     placement = cluster.placement
     layout, node_of = placement.layout, placement.node_of
     used = set(node_of.values())
-    while not cluster._stop.wait(NODE_POLL_S):
+    failures, wait = 0, NODE_POLL_S
+    while not cluster._stop.wait(wait):
         try:
             alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        except Exception:  # Ray shutting down under us: the run is ending anyway
-            return
+        except Exception as err:
+            failures += 1
+            if failures >= NODE_POLL_FAILURES:
+                if not cluster._stop.is_set():
+                    detail = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                    print(
+                        f"mint: the node watchdog stopped: ray.nodes() failed {failures} times in a row (last: "
+                        f"{detail}); a node that leaves is now noticed only when a call on it fails",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                return
+            wait = min(NODE_POLL_S * 2**failures, NODE_POLL_MAX_S)
+            continue
+        failures, wait = 0, NODE_POLL_S
         gone = used - alive
         if not gone:
             continue

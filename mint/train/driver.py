@@ -44,8 +44,9 @@ from mint.train import checkpoint, wire
 from mint.train.checkpoint import RunState
 from mint.train.cluster import Cluster, NodeLost, Placement, reserve, start_cluster, start_ray
 from mint.train.evaluation import eval_set, evaluate, sample_rows
+from mint.train.faults import Faults
 from mint.train.learner_group import LearnerDied, LearnerGroup
-from mint.train.metrics import RunLogger
+from mint.train.metrics import RunLogger, truncate_step_logs
 from mint.train.nodes import check_node, check_run_paths, driver_model_path, node_checks
 from mint.train.pipeline import RolloutPipeline
 from mint.train.preflight import Preflight, preflight
@@ -144,11 +145,11 @@ def _session(run: Run, restarts: int) -> dict:
     latest = checkpoint.latest(out)
     state = checkpoint.read(latest, config.result_digest()) if latest else RunState()
     state.restarts = max(state.restarts, restarts)
-    checkpoint.truncate_metrics(out, state.step)
+    truncate_step_logs(out, state.step)  # the steps after the checkpoint run again: their rows go
     cluster = _start_cluster(run, None if latest else run.init_lora)
     learners, fleet = cluster.learners, cluster.fleet
     store = Catalog(catalog_dir(config))
-    logger = RunLogger(config, out, initial=state.step)
+    logger = RunLogger(config, out, initial=state.step, faults=Faults.from_env())
     try:
         catalog = RunCatalog(store, config, run.model_path, learners.adapter_config(run.model_path))
         if latest:

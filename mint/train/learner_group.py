@@ -4,7 +4,8 @@ The ranks share one torch.distributed group, so one dead rank breaks the others'
 ranks at once and is gathered so that a dead rank fails it at once (`LearnerDied`), without waiting on the survivors,
 which may be blocked in a collective that can never complete (gloo's default timeout is 30 minutes). Learners never
 restart on their own (a restarted rank could not rejoin the old process group): after `LearnerDied` the driver ends
-the session and starts a new one, whose group restores the latest checkpoint (`restore`).
+the session and starts a new one, whose group restores the latest checkpoint (`restore`). No call waits on a rank
+any other way, start-up and `adapter_config` included, so a death there restarts the session as one in a step does.
 
 `LearnerGroup` owns the rank actors' handles, where each runs (for the error lines), and the sizes that map a step's
 plans to ranks (context parallel, expert parallel). Its verbs follow a step: `submit_learn` / `collect_learn` (one
@@ -54,10 +55,10 @@ class LearnerGroup:
             config.longstraw.context_parallel,
             config.learner.expert_parallel,
         )
-        try:
-            addr, port = ray.get(group.actors[0].address.remote())
+        try:  # through _gather like every call, so a rank that dies here is LearnerDied too: the session restarts
+            addr, port = group._gather([group.actors[0].address.remote()], "start-up")[0]
             group._gather([lr.setup.remote(addr, port, init_lora) for lr in group.actors], "setup")
-            places = ray.get([lr.where.remote() for lr in group.actors])
+            places = group._gather([lr.where.remote() for lr in group.actors], "start-up")
         except BaseException:
             group.close()
             raise
@@ -66,7 +67,9 @@ class LearnerGroup:
         return group
 
     def _gather(self, futures: list, what: str) -> list:
-        """ray.get of one call per rank, in rank order, failing as soon as any rank has died.
+        """ray.get of one call per rank (the first len(futures) ranks), in rank order, failing as soon as any rank
+        has died. Every wait on a rank goes through here, so a death anywhere is `LearnerDied`, which restarts the
+        session from the latest checkpoint.
 
         A plain ray.get(list) would wait on rank 0 while rank 1 is already dead and rank 0 blocks in a collective
         that can never complete.
@@ -85,7 +88,7 @@ class LearnerGroup:
 
     def adapter_config(self, model_path: str) -> dict:
         """adapter_config.json as rank 0's PEFT model writes it (what every catalog revision is stored with)."""
-        return ray.get(self.actors[0].adapter_config.remote(model_path))
+        return self._gather([self.actors[0].adapter_config.remote(model_path)], "adapter_config")[0]
 
     def submit_learn(self, batches: list[GroupBatch], step: int) -> list:
         """Queue one optimizer step on every rank without waiting: the calls, in rank order (collect_learn)."""

@@ -1,4 +1,8 @@
-"""Per-step metrics: one JSON line per step in <run>/metrics.jsonl, wandb when enabled, and a progress bar."""
+"""Per-step metrics: one JSON line per step in <run>/metrics.jsonl, wandb when enabled, and a progress bar.
+
+The run appends to the per-step logs in STEP_LOGS (every row carries its `step`); a resumed or restarted run first
+cuts each back to its checkpoint's step (`truncate_step_logs`), so no step is logged twice.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,41 @@ import sys
 from pathlib import Path
 
 from mint.config import Config
+from mint.train.faults import Faults, die_mid_write
 
 BAR_KEYS = ("reward_mean", "loss", "kl", "tokens_per_s")
+# Every per-step JSONL file the run appends to, in the run directory: a resume cuts each back to its checkpoint.
+STEP_LOGS = ("metrics.jsonl", "samples.jsonl")
+
+
+def truncate_step_logs(directory: Path, step: int) -> None:
+    """Keep the rows of steps <= `step` in every per-step log (each file replaced atomically), so a resumed run
+    appends without duplicates. A line that does not parse is dropped: only a write a crash cut short leaves one
+    (the last line), and the next row must not be glued to it."""
+    for name in STEP_LOGS:
+        path = Path(directory) / name
+        if not path.exists():
+            continue
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and row.get("step", 0) <= step:
+                kept.append(line + "\n")
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write("".join(kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
 
 class RunLogger:
-    def __init__(self, config: Config, directory: Path, initial: int = 0):
+    def __init__(self, config: Config, directory: Path, initial: int = 0, faults: Faults | None = None):
         self.path = Path(directory) / "metrics.jsonl"
+        self._faults = faults or Faults()
         self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - open for the whole run, closed in close()
         self._wandb = None
         if config.logging.wandb:
@@ -45,7 +77,10 @@ class RunLogger:
 
     def log(self, metrics: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-        self._file.write(json.dumps(clean, sort_keys=True) + "\n")
+        line = json.dumps(clean, sort_keys=True) + "\n"
+        if self._faults.torn_metrics_at(metrics["step"]):
+            die_mid_write(self._file, line)
+        self._file.write(line)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in clean.items() if isinstance(v, (int, float))}, step=metrics["step"])
         if self._bar is not None:
