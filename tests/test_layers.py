@@ -192,12 +192,12 @@ def test_every_package_is_installed():
     assert found == listed, (found - listed, listed - found)
 
 
-# The modules that call Ray actors and tasks: each owner of a kind of actor, and the driver (docs/layout.md).
+# The modules that call Ray actors and tasks: each owner of a kind of actor, and the cluster start-up (docs/layout.md).
 RAY_CALLERS = {
     "mint.train.learner_group",  # the learner ranks
     "mint.train.rollout_fleet",  # the rollout actors, and the engine-recovery path
     "mint.train.engine_servers",  # the engine server actors
-    "mint.train.driver",  # the per-node checks before any actor starts
+    "mint.train.cluster",  # the per-node checks before any actor starts
 }
 
 

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from mint.config import Config
 from mint.errors import MintError
 from mint.train.learner_group import LearnerGroup
-from mint.train.nodes import cluster_nodes, connect
+from mint.train.nodes import check_node, cluster_nodes, connect, node_checks
 from mint.train.placement import Layout, Slot, node_name, plan_layout
 from mint.train.rollout_fleet import RolloutFleet
 
@@ -144,12 +144,11 @@ class Cluster:
         self.placement.release()
 
 
-def start_cluster(
-    config: Config, placement: Placement, paths: dict[str, str], model_path: str, init_lora: bytes | None, run_dir
-) -> Cluster:
-    """Create the actors on the reserved layout, each loading the model from its node's path (`paths`: node id ->
-    path, as the node checks found it), and wire the learner's process group; then write placement.json into
-    `run_dir` (when given) and start the watchdog. The caller releases `placement` when this raises."""
+def start_cluster(config: Config, placement: Placement, model_path: str, init_lora: bytes | None, run_dir) -> Cluster:
+    """Check every node of the reserved layout (`check_nodes`), create the actors on it, each loading the model from
+    its node's path, and wire the learner's process group; then write placement.json into `run_dir` (when given) and
+    start the watchdog. The caller releases `placement` when this raises."""
+    paths = check_nodes(config, placement, model_path, run_dir)
     layout = placement.layout
     learner_nodes, rollout_nodes = placement.nodes(layout.learners), placement.nodes(layout.rollouts)
     fleet = RolloutFleet.start(
@@ -171,6 +170,23 @@ def start_cluster(
         cluster.close()
         raise
     return cluster
+
+
+def check_nodes(config: Config, placement: Placement, model_path: str, run_dir) -> dict[str, str]:
+    """Before any actor: every node of the layout must hold the model (a tiny base is shipped) and, for learner
+    nodes, see the run directory; one line naming the node when not. One task per node, pinned to it
+    (mint.train.nodes). Returns node id -> the model path its actors load."""
+    learner_nodes = set(placement.nodes(placement.layout.learners))
+    checks = node_checks(config, model_path, placement.names, learner_nodes, run_dir)
+    task = ray.remote(num_cpus=0, max_retries=0)(check_node)
+    try:
+        futures = {
+            node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(*args)
+            for node, args in checks.args.items()
+        }
+        return checks.paths((node, ray.get(future)) for node, future in futures.items())
+    finally:
+        checks.close()
 
 
 def _write_placement(run_dir, cluster: Cluster, paths: dict[str, str]) -> None:

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import ray
 from ray.exceptions import RayActorError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mint.config import Config, run_dir
 from mint.errors import ConfigError, MintError
@@ -42,12 +41,12 @@ from mint.hub import Catalog, catalog_dir
 from mint.rl.data import load_dataset
 from mint.train import checkpoint, wire
 from mint.train.checkpoint import RunState
-from mint.train.cluster import Cluster, NodeLost, Placement, reserve, start_cluster, start_ray
+from mint.train.cluster import Cluster, NodeLost, reserve, start_cluster, start_ray
 from mint.train.evaluation import eval_set, evaluate, sample_rows
 from mint.train.faults import Faults
 from mint.train.learner_group import LearnerDied, LearnerGroup
 from mint.train.metrics import RunLogger, truncate_step_logs
-from mint.train.nodes import check_node, check_run_paths, driver_model_path, node_checks
+from mint.train.nodes import check_run_paths, driver_model_path
 from mint.train.pipeline import RolloutPipeline
 from mint.train.preflight import Preflight, preflight
 from mint.train.step import CatalogWriter, Revision, RunCatalog, make_batches, save_revision
@@ -198,30 +197,14 @@ def _session(run: Run, restarts: int) -> dict:
 
 
 def _start_cluster(run: Run, init_lora: bytes | None) -> Cluster:
-    """Reserve the layout on the alive nodes, check every node it uses, then start the actors (mint.train.cluster)."""
+    """Reserve the layout on the alive nodes, then check every node it uses and start the actors there
+    (mint.train.cluster)."""
     placement = reserve(run.config)
     try:
-        return start_cluster(run.config, placement, _check_nodes(run, placement), run.model_path, init_lora, run.out)
+        return start_cluster(run.config, placement, run.model_path, init_lora, run.out)
     except BaseException:
         placement.release()
         raise
-
-
-def _check_nodes(run: Run, placement: Placement) -> dict[str, str]:
-    """Before any actor: every node of the layout must hold the model (a tiny base is shipped) and, for learner
-    nodes, see the run directory; one line naming the node when not. One task per node, pinned to it
-    (mint.train.nodes). Returns node id -> the model path its actors load."""
-    learner_nodes = set(placement.nodes(placement.layout.learners))
-    checks = node_checks(run.config, run.model_path, placement.names, learner_nodes, run.out)
-    task = ray.remote(num_cpus=0, max_retries=0)(check_node)
-    try:
-        futures = {
-            node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(*args)
-            for node, args in checks.args.items()
-        }
-        return checks.paths((node, ray.get(future)) for node, future in futures.items())
-    finally:
-        checks.close()
 
 
 def _steps(run: Run, cluster: Cluster, catalog: RunCatalog, logger: RunLogger, state: RunState, rev: Revision):
