@@ -2,7 +2,8 @@
 
 Every node that will host an actor runs one small task there (0 CPUs, pinned to the node; the cluster's start-up,
 `mint.train.cluster.check_nodes`, runs them: `node_checks` prepares each node's check, `check_node` is the task,
-`NodeChecks.paths` reads the answers) before the actors are created, so a hidden one-machine assumption fails in seconds with one line naming the node:
+`NodeChecks.paths` reads the answers) before the actors are created, so a hidden one-machine assumption fails in
+seconds with one line naming the node:
 
 - **The base model.** A local `model.path` must be a model directory at the same absolute path on that node; a hub
   id must be in that node's Hugging Face cache (nothing is downloaded). A `tiny:` base is built once, on the driver,
