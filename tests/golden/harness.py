@@ -35,8 +35,20 @@ from pathlib import Path
 GOLDEN_DIR = Path(__file__).resolve().parent
 ROOT = GOLDEN_DIR.parents[1]
 RECIPE = GOLDEN_DIR / "recipe.toml"
-# qwen3 (dense, no experts) is the cheapest run and carries the other-kernel runs (OTHER_KERNELS).
-BASES = ("qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3")
+# Every tiny family: MoE with and without shared experts, dense, hybrid linear attention (Gated DeltaNet), MLA and
+# DSA. qwen3 (dense, no experts) is the cheapest run and carries the other-kernel runs (OTHER_KERNELS).
+BASES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "glm4_moe",
+    "qwen3",
+    "qwen3_5_moe",
+    "qwen3_next",
+    "qwen3_5",
+    "deepseek_v3",
+    "glm4_moe_lite",
+    "glm_moe_dsa",
+)
 CHEAPEST = "qwen3"
 
 # The float kernels a run may use, pinned to the code paths least tied to the CPU: a run repeats bit for bit on one
