@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from harness import BASES, differences, golden_file, run_golden, unpinned_workers, write_golden
@@ -21,24 +22,32 @@ from harness import BASES, differences, golden_file, run_golden, unpinned_worker
 
 def regenerate(base: str, runs: int) -> str | None:
     """Run tiny:<base> `runs` times and write its golden file; the reason it was not written, else None."""
-    figs = []
+    figs, seconds = [], []
     for i in range(runs):
+        t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix=f"mint-golden-{base}-") as root:
             fig = run_golden(base, Path(root))
+        seconds.append(time.perf_counter() - t0)
         problems = unpinned_workers(fig)
         if problems:
             return "; ".join(problems)
-        if figs and (diffs := differences(figs[0], fig)):
+        if figs and (diffs := differences(figs[0], fig, exact=True)):
             return f"run {i + 1} differs from run 1 ({len(diffs)} figures), first at {diffs[0]}"
         figs.append(fig)
     old = golden_file(base)
-    moved = differences(json.loads(old.read_text()), figs[0]) if old.exists() else None
+    change = "a new file"
+    if old.exists():
+        # Bit for bit against the old file; figures the old file did not have yet are listed, not compared.
+        before = json.loads(old.read_text())
+        known = {k for s in before.get("steps", []) for k in s}
+        added = sorted({k for s in figs[0]["steps"] for k in s} - known)
+        now = figs[0] | {"steps": [{k: v for k, v in s.items() if k in known} for s in figs[0]["steps"]]}
+        moved = differences(before, now, exact=True)
+        change = f"{len(moved)} figures moved bit for bit" + (f", first {moved[0]}" if moved else "")
+        change += f"; new figures {added}" if added else ""
     path = write_golden(base, figs[0])
-    if moved is None:
-        change = "a new file"
-    else:
-        change = f"{len(moved)} figures moved" + (f", first {moved[0]}" if moved else "")
-    print(f"tiny:{base}: wrote {path} ({runs} runs agree); {change}")
+    runs_s = ", ".join(f"{s:.0f}" for s in seconds)
+    print(f"tiny:{base}: wrote {path} ({runs} runs agree, {runs_s} s); {change}")
     return None
 
 
