@@ -247,6 +247,16 @@ class KVSlab(Cache):
     def rows(self) -> int:
         return self.layers[0].rows
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns written, read off a layer with columns: a linear-attention layer has none, so for one (a hybrid's
+        layer 0) the first full-attention layer answers. The model reads this for the new tokens' positions.
+        transformers 5.25 answers with layer 0's own count, on a linear layer a token counter that the slab's copied
+        prefill states never advance: a hybrid decoded from position 0 again (greedy tokens off HF's from the
+        second one; up to 17 nats between rollout and learner). 5.24 skipped linear layers, as this does."""
+        if isinstance(self.layers[layer_idx], _SlabLinearLayer):
+            layer_idx = next(i for i, layer in enumerate(self.layers) if not isinstance(layer, _SlabLinearLayer))
+        return self.layers[layer_idx].get_seq_length()
+
     def write_prefill(self, prefill: Cache, rows_R: torch.Tensor, source_R: torch.Tensor, column: int) -> None:
         """Copy every layer of a finished prefill cache (rows = distinct prompts) into slab rows `rows_R`."""
         if len(prefill.layers) != len(self.layers):
