@@ -59,9 +59,9 @@ def main() -> None:
     from mint.rollout.backends import VllmBackend
     from mint.rollout.backends.builtin import BuiltinBackend
     from mint.rollout.engine import RolloutEngine, SamplingParams
+    from mint.rollout.prompts import prompt_tokens
     from mint.train.driver import train
     from mint.train.engine_servers import EngineServer
-    from mint.train.rollout_actor import prompt_tokens
 
     engine_bin = Path(args.engine_env) / "bin"
     if not (engine_bin / "vllm").exists():

@@ -288,8 +288,8 @@ def _smoke_plans(learner, config, steps: int, seed: int = 0) -> list:
 
     from longstraw.routing import RouteRecorder
     from mint.rl.data import load_dataset
+    from mint.rollout.prompts import prompt_tokens
     from mint.train.inner_step import GroupBatch, MicroStep, StepPlan, _score_padded
-    from mint.train.rollout_actor import prompt_tokens
 
     tokenizer = AutoTokenizer.from_pretrained(learner.model_path)
     model, rollout = learner.engine.module, config.rollout

@@ -90,9 +90,6 @@ KNOWN_CYCLES = {
     ("longstraw.context_parallel", "longstraw.context_parallel_dsa"),
     # The schema's sections validate through the rules, which read the schema's types and placeholder table.
     ("mint.config.rules", "mint.config.schema"),
-    # Preflight calls the rollout actor's prompt and engine helpers; the actor calls preflight's prompt-length and
-    # engine-layout checks. Both sides' helpers are pure code that belongs below both.
-    ("mint.train.preflight", "mint.train.rollout_actor"),
 }
 
 

@@ -24,7 +24,7 @@ from mint.models.lora import adapter_config_dict, add_lora, load_lora_state, lor
 from mint.models.specs import load_model
 from mint.models.tiny import VOCAB_SIZE, build_tokenizer
 from mint.rl.tasks import Example
-from mint.train.rollout_actor import prompt_tokens
+from mint.rollout.prompts import prompt_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 60  # seconds per HTTP request; tiny-model requests take well under one

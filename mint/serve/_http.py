@@ -151,8 +151,8 @@ class Api:
         return list(ids)
 
     def chat_tokens(self, req: ChatRequest) -> list[int]:
-        """The chat-templated prompt ending with the assistant header, as `rollout_actor.prompt_tokens` builds it.
-        `developer` is the newer name of `system`."""
+        """The chat-templated prompt ending with the assistant header, as `mint.rollout.prompts.prompt_tokens`
+        builds it. `developer` is the newer name of `system`."""
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
         try:
             text = self.host.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

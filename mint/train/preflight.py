@@ -93,7 +93,7 @@ def preflight(config: Config) -> Preflight:
     held_out, eval_stream = _eval_examples(config)
     _call_reward(rewards, examples[0])
     # From here on torch and transformers are imported (the tokenizer, and the rollout actor's prompt rendering).
-    from mint.train.rollout_actor import engine_adapter_config, prompt_tokens, stop_token_ids
+    from mint.rollout.prompts import prompt_tokens, stop_token_ids
 
     check_fp16(config)
     model = local or _named_model(config.model.path)
@@ -186,6 +186,16 @@ def check_expert_parallel(config: Config, model_config) -> None:
             "learner.expert_parallel: resident mode is not supported with expert parallel (each rank's kept "
             "captures differ, so their MoE calls would not pair up); use longstraw.mode = exact or detached"
         )
+
+
+def engine_adapter_config(config: Config, model_config, model_path: str) -> dict:
+    """adapter_config.json as the learner's PEFT model writes it (`adapter_config_dict`), from the same recipe: what
+    a vllm/sglang rollout actor hands its engines with each revision."""
+    from mint.models.lora import peft_config
+
+    lora = peft_config(config.lora, model_config).to_dict()
+    lora["base_model_name_or_path"] = model_path
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in lora.items()}
 
 
 def engine_adapter_layout(config: Config, model_config, adapter_config: dict) -> str:

@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 
 from mint.config import Config
-from mint.errors import ConfigError, MintError
+from mint.errors import MintError
 from mint.rl.tasks import Example
 from mint.rollout.engine import GroupRollout, SamplingParams
+from mint.rollout.prompts import prompt_tokens, stop_token_ids
 from mint.train import wire
-from mint.train.preflight import check_prompt_lengths, engine_adapter_layout
+from mint.train.preflight import check_prompt_lengths, engine_adapter_config, engine_adapter_layout
 
 
 class StaleRevision(MintError):
@@ -46,33 +47,6 @@ class GroupResult:
     revision: str | None
     reward_error: str = ""  # the group's first reward failure, one line
     rewards_by_fn: dict[str, list[float]] | None = None  # each reward function's G rewards (before weighting)
-
-
-def prompt_tokens(tokenizer, example: Example, system_prompt: str = "") -> list[int]:
-    """The chat-templated prompt (a record's own messages, or its prompt as the user turn), ending with the assistant
-    header, as token ids."""
-    text = tokenizer.apply_chat_template(example.chat(system_prompt), add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def engine_adapter_config(config: Config, model_config, model_path: str) -> dict:
-    """adapter_config.json as the learner's PEFT model writes it (`adapter_config_dict`), from the same recipe: what
-    a vllm/sglang rollout actor hands its engines with each revision."""
-    from mint.models.lora import peft_config
-
-    lora = peft_config(config.lora, model_config).to_dict()
-    lora["base_model_name_or_path"] = model_path
-    return {k: sorted(v) if isinstance(v, set) else v for k, v in lora.items()}
-
-
-def stop_token_ids(tokenizer, stop_tokens: list[str]) -> tuple[int, ...]:
-    ids = []
-    for tok in stop_tokens:
-        enc = tokenizer(tok, add_special_tokens=False)["input_ids"]
-        if len(enc) != 1:
-            raise ConfigError(f"rollout.stop_tokens: {tok!r} is {len(enc)} tokens for this tokenizer, not one")
-        ids.append(enc[0])
-    return tuple(ids)
 
 
 class RolloutActor:
