@@ -24,11 +24,16 @@ if TYPE_CHECKING:
     from mint.config.schema import Config, EnginesConfig, LearnerConfig
 
 
+# What engines.command may name (mint.train.engine_launch.launch_argv fills them).
+ENGINE_PLACEHOLDERS = (
+    "python", "model", "host", "port", "tp", "dtype", "max_lora_rank", "lora_modules", "routed_experts", "adapter_dir",
+    "index",
+)  # fmt: skip
+
+
 def engines_rules(e: EnginesConfig) -> None:
     """Engines are started by the run or listed, not both; the launch template's placeholders are known; the URLs
     are http(s)."""
-    from mint.config.schema import ENGINE_PLACEHOLDERS
-
     if e.start and e.urls:
         raise ConfigError(
             "engines.start: set engines.start (servers the run starts) or engines.urls (servers that already run), "

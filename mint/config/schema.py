@@ -12,6 +12,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mint.config.rules import engines_rules, learner_rules, section_rules
+
 
 def knob(default: Any, help: str, *, min: float | None = None, max: float | None = None, gt=None):
     """A config field: default, help string, and the range validated at load. A mode's choices are its annotation,
@@ -76,13 +78,6 @@ class DataConfig:
     max_reward_error_frac: float = knob(
         0.5, "Stop the run when more than this fraction of a step's samples raised in the reward function.", min=0.0
     )
-
-
-# What engines.command may name (mint.train.engine_launch.launch_argv fills them).
-ENGINE_PLACEHOLDERS = (
-    "python", "model", "host", "port", "tp", "dtype", "max_lora_rank", "lora_modules", "routed_experts", "adapter_dir",
-    "index",
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -172,8 +167,6 @@ class EnginesConfig:
     )
 
     def __post_init__(self):
-        from mint.config.rules import engines_rules
-
         engines_rules(self)
 
 
@@ -252,8 +245,6 @@ class LearnerConfig:
     )
 
     def __post_init__(self):
-        from mint.config.rules import learner_rules
-
         learner_rules(self)
 
 
@@ -414,8 +405,6 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
-        from mint.config.rules import section_rules
-
         section_rules(self)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
