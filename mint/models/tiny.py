@@ -178,6 +178,17 @@ class TinyRecipe:
         blob = json.dumps({"version": BUILD_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
+    def build(self, directory: str) -> None:
+        """Build this recipe's base into `directory` on this machine (`build_tiny`)."""
+        build_tiny(
+            self.family,
+            directory,
+            seed=self.seed,
+            label_accuracy=self.label_accuracy,
+            steps=self.steps,
+            calibrate_steps=self.calibrate_steps,
+        )
+
 
 @contextlib.contextmanager
 def _deterministic(seed: int) -> Iterator[None]:
@@ -467,14 +478,7 @@ def ensure_tiny(family: str, cache_dir: str | None = None) -> str:
                 recipe.key(),
                 torch.backends.cpu.get_cpu_capability(),
             )
-            build_tiny(
-                family,
-                tmp,
-                seed=recipe.seed,
-                label_accuracy=recipe.label_accuracy,
-                steps=recipe.steps,
-                calibrate_steps=recipe.calibrate_steps,
-            )
+            recipe.build(tmp)
         for _ in range(3):
             try:
                 os.rename(tmp, target)  # atomic; fails if target exists and is not empty

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from mint.models.specs import TINY_FAMILIES
-from mint.models.tiny import TinyRecipe, build_tiny
+from mint.models.tiny import TinyRecipe
 from mint.models.tiny_ship import MANIFEST, SHIPPED_DIR, file_sha256, read_manifest, replace_dir, write_json
 
 
@@ -33,14 +33,7 @@ def ship(family: str, root: str | None = None) -> str:
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root)
     try:
-        build_tiny(
-            family,
-            tmp,
-            seed=recipe.seed,
-            label_accuracy=recipe.label_accuracy,
-            steps=recipe.steps,
-            calibrate_steps=recipe.calibrate_steps,
-        )
+        recipe.build(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would travel into the package
         manifest = read_manifest(tmp)
         manifest["sha256"] = {f: file_sha256(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp)) if f != MANIFEST}
