@@ -181,13 +181,9 @@ class TinyRecipe:
     def build(self, directory: str) -> None:
         """Build this recipe's base into `directory` on this machine (`build_tiny`)."""
         build_tiny(
-            self.family,
-            directory,
-            seed=self.seed,
-            label_accuracy=self.label_accuracy,
-            steps=self.steps,
+            self.family, directory, seed=self.seed, label_accuracy=self.label_accuracy, steps=self.steps,
             calibrate_steps=self.calibrate_steps,
-        )
+        )  # fmt: skip
 
 
 @contextlib.contextmanager
