@@ -35,7 +35,6 @@ class Wrapper:
     model_type: str
     layouts: dict[str, tuple[str, ...]] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
-    key_prefix_mapped: bool = False  # transformers maps its keys (model.language_model.*) onto the text model's
 
 
 @dataclass(frozen=True)
@@ -195,14 +194,10 @@ def wrapper(model_type: str) -> Wrapper | None:
     return next((w for f in FAMILIES.values() for w in f.wrappers if w.model_type == model_type), None)
 
 
-def names(kind: str | None = None, *, tiny: bool | None = None, experts: bool | None = None) -> tuple[str, ...]:
-    """Family names with the given kind / tiny base / experts, in registration order."""
+def names(kind: str | None = None, *, tiny: bool | None = None) -> tuple[str, ...]:
+    """Family names of the given kind / with a tiny base, in registration order."""
     return tuple(
-        f.name
-        for f in FAMILIES.values()
-        if (kind is None or f.kind == kind)
-        and (tiny is None or f.tiny == tiny)
-        and (experts is None or f.experts == experts)
+        f.name for f in FAMILIES.values() if (kind is None or f.kind == kind) and (tiny is None or f.tiny == tiny)
     )
 
 
