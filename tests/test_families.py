@@ -4,6 +4,9 @@ added as one entry plus its tiny config, then checked by preflight, planned, and
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
+
 import pytest
 import torch
 from conftest import pop_lora_grads, update_inputs, update_objective
@@ -15,7 +18,7 @@ from longstraw.scoring import token_logprobs
 from mint import hub
 from mint.cli import main as mint_main
 from mint.config import LoraConfig, load_config
-from mint.models import families, specs
+from mint.models import families, plan, shapes, specs
 from mint.models.lora import adapter_config_dict, add_lora
 from mint.models.plan import hub_shape
 from mint.models.tiny import ensure_tiny
@@ -45,6 +48,19 @@ def test_every_family_with_experts_names_a_layout_or_a_refusal_for_every_engine(
     assert not missing, missing
 
 
+def test_every_family_has_its_builders_and_every_real_shape_builds_its_familys_config():
+    """A tiny family has a tiny config, a family with hub ids a real-shape builder; each measured shape's config is
+    its family's model_type, and the shape's own dims say the entry's kind (hybrid layers, a latent)."""
+    for f in families.FAMILIES.values():
+        assert not f.tiny or f.name in specs.TINY_CONFIGS, f.name
+        for key in f.shapes.values():
+            assert shapes.SHAPES[key].family == f.name and f.name in shapes.LAYER_CONFIGS, (f.name, key)
+    for key, s in shapes.SHAPES.items():
+        kind = families.FAMILIES[s.family].kind
+        assert shapes.layer_config(s, 1).model_type == families.FAMILIES[s.family].model_type, key
+        assert (s.hybrid, s.mla, s.dsa) == (kind == "hybrid", kind in ("mla", "dsa"), kind == "dsa"), key
+
+
 def test_a_family_with_experts_and_no_engine_layouts_is_refused_at_registration():
     with pytest.raises(ValueError, match="names the layouts each engine reads"):
         families.Family("mint_test_nolayouts", "gqa", experts=True)
@@ -56,6 +72,7 @@ def test_a_family_with_experts_and_no_engine_layouts_is_refused_at_registration(
 # modules under another model_type, registered with transformers' Auto classes), one registry entry, one tiny config.
 NEW = "mint_test_moe"
 NEW_HUB_ID = "example-org/Test-MoE-30B-A3B"
+NEW_SHAPE = "mint_test_moe_30b_a3b"
 
 
 class _NewConfig(Qwen2MoeConfig):
@@ -75,10 +92,16 @@ def _new_tiny_config(family: str, vocab_size: int, **overrides) -> _NewConfig:
     return _NewConfig(**(config | overrides))
 
 
+def _new_layer_config(s: shapes.RealShape, n: int, common: dict) -> _NewConfig:
+    """Its real-shape builder: GQA's common arguments, plus the family's own names for its experts."""
+    return _NewConfig(num_experts=s.experts, shared_expert_intermediate_size=s.moe_intermediate, **common)
+
+
 @pytest.fixture
 def new_family(monkeypatch, tmp_path):
     """Register the new family for one test: its transformers classes (once per process: transformers keeps them),
-    its registry entry and its tiny config; save a random base with the tiny tokenizer beside it."""
+    its registry entry, its tiny config, and a real shape of its own (Qwen3-30B-A3B's dims, with that shape's
+    measured per-layer figures) with its builder; save a random base with the tiny tokenizer beside it."""
     if NEW not in AutoConfig.for_model.__globals__["CONFIG_MAPPING"]:
         AutoConfig.register(NEW, _NewConfig)
         AutoModelForCausalLM.register(_NewConfig, _NewForCausalLM)
@@ -87,10 +110,17 @@ def new_family(monkeypatch, tmp_path):
         "gqa",
         experts=True,
         layouts={"vllm": ("per-expert",), "sglang": ("per-expert",), "mint": ("peft", "per-expert")},
-        shapes={NEW_HUB_ID: "qwen3_30b_a3b"},  # a plan at a measured real shape
+        shapes={NEW_HUB_ID: NEW_SHAPE},
     )
     monkeypatch.setitem(families.FAMILIES, NEW, entry)
     monkeypatch.setitem(specs.TINY_CONFIGS, NEW, _new_tiny_config)
+    real = dataclasses.replace(shapes.SHAPES["qwen3_30b_a3b"], name="Test-MoE-30B-A3B", family=NEW)
+    monkeypatch.setitem(shapes.SHAPES, NEW_SHAPE, real)
+    monkeypatch.setitem(shapes.LAYER_CONFIGS, NEW, _new_layer_config)
+    measured = tmp_path / "measured"
+    measured.mkdir()
+    shutil.copy(plan.MEASURED / "qwen3_30b_a3b.json", measured / f"{NEW_SHAPE}.json")
+    monkeypatch.setattr(plan, "MEASURED", measured)
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny("qwen3_moe"))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(specs.tiny_config(NEW, len(tokenizer), initializer_range=0.05))
@@ -116,10 +146,14 @@ def test_a_new_family_of_an_existing_kind_is_one_entry_and_trains_a_step(new_fam
     model_config = AutoConfig.from_pretrained(path)
     assert hub.engine_layout("auto", adapter_config, model_config, engine="vllm") == "per-expert"
     assert hub.engine_layout("auto", adapter_config, model_config, engine="mint") == "peft"
-    # `mint plan` finds its real shape through the entry's hub id.
-    assert hub_shape(NEW_HUB_ID) == "qwen3_30b_a3b"
+    # `mint plan` finds its real shape through the entry's hub id, and builds that shape's layer with the family's
+    # builder (expert parallel checks the experts split over the ranks on it).
+    assert hub_shape(NEW_HUB_ID) == NEW_SHAPE
+    layer = shapes.layer_config(shapes.shape(NEW_SHAPE), 1)
+    assert layer.model_type == NEW and layer.num_experts == 128 and layer.hidden_size == 2048
     recipe = "recipes/qwen3_30b_a3b_8xh20.toml"
-    code = mint_main(["plan", recipe, f"model.path={NEW_HUB_ID}", "--gpus", "4", "--prompt-len", "16384"])
+    plan_args = ["plan", recipe, f"model.path={NEW_HUB_ID}", "--gpus", "4", "--prompt-len", "16384"]
+    code = mint_main([*plan_args, "--expert-parallel", "2"])
     out = capsys.readouterr().out
     assert code == 0 and "fits in 96 GiB" in out, out
     # One exact LongStraw update equals transformers' full backprop of the same objective.

@@ -58,7 +58,7 @@ LAYOUTS = ("saved", "released", "modules")
 
 def build_kimi_tiny(directory: Path, layout: str = "saved", seed: int = 0, vocab_size: int = VOCAB) -> str:
     """Save a random tiny Kimi-K2.5 checkpoint in `layout` and return its directory: the text dims of Mint's tiny
-    deepseek_v3 (`_tiny_mla`: 3 layers, the first dense, 4 experts top-2 with a shared expert, q / kv down-projections)
+    deepseek_v3 (`_mla_dims`: 3 layers, the first dense, 4 experts top-2 with a shared expert, q / kv down-projections)
     at init std 0.05, lm_head untied as in Kimi-K2, and a one-block vision tower of width 32."""
     text = tiny_config("deepseek_v3", vocab_size, initializer_range=0.05).to_dict()
     vision = dict(

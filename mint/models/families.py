@@ -7,8 +7,10 @@ measured real shapes (mint.models.plan, `mint plan`). LongStraw needs no entry: 
 modules (`longstraw.adapters.kind_of`), and a test checks that the kind it finds is the entry's.
 
 A new family of a kind Mint already has is one `register(Family(...))` plus, for a tiny base, its config builder in
-mint.models.specs (tests/test_families.py registers one that way and trains it a step). Data only: importing this
-module loads neither torch nor transformers (export reads it on paths that must stay light).
+mint.models.specs (`TINY_CONFIGS`) and, for a measured hub id, its layer-config builder in mint.models.shapes
+(`LAYER_CONFIGS`); tests/test_families.py registers one that way, trains it a step and plans it at real dims.
+Data only: importing this module loads neither torch nor transformers (export reads it on paths that must stay
+light).
 """
 
 from __future__ import annotations

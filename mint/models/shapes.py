@@ -35,6 +35,7 @@ from transformers import (
 )
 
 from mint.errors import ConfigError
+from mint.models import families
 
 
 @dataclass(frozen=True)
@@ -253,16 +254,22 @@ def layer_types(s: RealShape, n: int) -> list[str]:
 
 def layer_config(s: RealShape, moe_layers: int, max_positions: int = 40960) -> PretrainedConfig:
     """A transformers config with the real dims and `moe_layers` MoE decoder layers (no dense ones): what the
-    benchmark builds with random weights to measure one MoE layer's figures. Hybrids: `layer_types(s, moe_layers)`."""
-    if s.hybrid:
-        return _hybrid_config(s, moe_layers, max_positions)
-    if s.mla:
-        return _mla_config(s, moe_layers, max_positions)
-    common = dict(
+    benchmark builds with random weights to measure one MoE layer's figures. Hybrids: `layer_types(s, moe_layers)`.
+
+    The family's builder (LAYER_CONFIGS) names its config class and what differs from its kind's common arguments."""
+    build = LAYER_CONFIGS.get(s.family)
+    if build is None or s.family not in families.FAMILIES:
+        raise ConfigError(f"no layer config for family {s.family!r}; choose a shape of {', '.join(LAYER_CONFIGS)}")
+    common = _COMMON[families.FAMILIES[s.family].kind](s, moe_layers, max_positions)
+    return build(s, moe_layers, common)
+
+
+def _gqa_common(s: RealShape, n: int, max_positions: int) -> dict:
+    return dict(
         vocab_size=s.vocab,
         hidden_size=s.hidden,
         intermediate_size=s.intermediate,
-        num_hidden_layers=moe_layers,
+        num_hidden_layers=n,
         num_attention_heads=s.heads,
         num_key_value_heads=s.kv_heads,
         head_dim=s.head_dim,
@@ -272,26 +279,10 @@ def layer_config(s: RealShape, moe_layers: int, max_positions: int = 40960) -> P
         tie_word_embeddings=False,
         rope_theta=1_000_000.0,
     )
-    if s.family == "qwen3_moe":
-        return Qwen3MoeConfig(num_experts=s.experts, norm_topk_prob=True, decoder_sparse_step=1, **common)
-    if s.family == "glm4_moe":
-        return Glm4MoeConfig(
-            n_routed_experts=s.experts,
-            n_shared_experts=1 if s.shared_intermediate else 0,
-            first_k_dense_replace=0,
-            partial_rotary_factor=0.5,
-            attention_bias=True,
-            use_qk_norm=False,
-            n_group=1,
-            topk_group=1,
-            norm_topk_prob=True,
-            **common,
-        )
-    raise ConfigError(f"no layer config for family {s.family!r}")
 
 
-def _hybrid_config(s: RealShape, n: int, max_positions: int) -> PretrainedConfig:
-    common = dict(
+def _hybrid_common(s: RealShape, n: int, max_positions: int) -> dict:
+    return dict(
         vocab_size=s.vocab,
         hidden_size=s.hidden,
         num_hidden_layers=n,
@@ -313,17 +304,12 @@ def _hybrid_config(s: RealShape, n: int, max_positions: int) -> PretrainedConfig
         # Partial RoPE: 64 of head_dim 256 rotate.
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
     )
-    if s.family == "qwen3_5_moe":
-        return Qwen3_5MoeTextConfig(**common)
-    if s.family == "qwen3_next":
-        return Qwen3NextConfig(intermediate_size=s.intermediate, decoder_sparse_step=1, norm_topk_prob=True, **common)
-    raise ConfigError(f"no layer config for hybrid family {s.family!r}")
 
 
-def _mla_config(s: RealShape, n: int, max_positions: int) -> PretrainedConfig:
-    """n MoE decoder layers of an MLA shape (no dense first layers), every DSA layer with its own indexer. Routing is
-    not group-limited here (n_group 1): the group limit picks which experts, not how many, so no figure moves."""
-    common = dict(
+def _mla_common(s: RealShape, n: int, max_positions: int) -> dict:
+    """n MoE decoder layers of an MLA shape (no dense first layers). Routing is not group-limited here (n_group 1):
+    the group limit picks which experts, not how many, so no figure moves."""
+    return dict(
         vocab_size=s.vocab,
         hidden_size=s.hidden,
         intermediate_size=s.intermediate,
@@ -345,16 +331,50 @@ def _mla_config(s: RealShape, n: int, max_positions: int) -> PretrainedConfig:
         max_position_embeddings=max_positions,
         tie_word_embeddings=False,
     )
-    sparse = ["sparse"] * n
+
+
+def _dsa_common(s: RealShape, n: int, max_positions: int) -> dict:
+    """MLA's, every layer with its own indexer."""
     indexer = dict(index_n_heads=s.index_heads, index_head_dim=s.index_head_dim, index_topk=s.index_topk)
-    if s.family == "deepseek_v3":
-        return DeepseekV3Config(first_k_dense_replace=0, **common)
-    if s.family == "glm4_moe_lite":
-        return Glm4MoeLiteConfig(mlp_layer_types=sparse, **common)
-    if s.family == "deepseek_v32":
-        return DeepseekV32Config(first_k_dense_replace=0, mlp_layer_types=sparse, **indexer, **common)
-    if s.family == "glm_moe_dsa":
-        return GlmMoeDsaConfig(
-            first_k_dense_replace=0, mlp_layer_types=sparse, indexer_types=["full"] * n, **indexer, **common
-        )
-    raise ConfigError(f"no layer config for MLA family {s.family!r}")
+    return _mla_common(s, n, max_positions) | indexer
+
+
+_COMMON = {"gqa": _gqa_common, "hybrid": _hybrid_common, "mla": _mla_common, "dsa": _dsa_common}
+
+
+def _glm4_moe(s: RealShape, n: int, common: dict) -> Glm4MoeConfig:
+    return Glm4MoeConfig(
+        n_routed_experts=s.experts,
+        n_shared_experts=1 if s.shared_intermediate else 0,
+        first_k_dense_replace=0,
+        partial_rotary_factor=0.5,
+        attention_bias=True,
+        use_qk_norm=False,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        **common,
+    )
+
+
+# Each family's real-shape builder (shape, MoE layers, its kind's common arguments) -> config, keyed by the
+# registry's names: the config class and what the family sets beyond its kind's arguments. A family with measured
+# shapes (families.Family.shapes) has one here.
+LAYER_CONFIGS = {
+    "qwen3_moe": lambda s, n, common: Qwen3MoeConfig(
+        num_experts=s.experts, norm_topk_prob=True, decoder_sparse_step=1, **common
+    ),
+    "glm4_moe": _glm4_moe,
+    "qwen3_5_moe": lambda s, n, common: Qwen3_5MoeTextConfig(**common),
+    "qwen3_next": lambda s, n, common: Qwen3NextConfig(
+        intermediate_size=s.intermediate, decoder_sparse_step=1, norm_topk_prob=True, **common
+    ),
+    "deepseek_v3": lambda s, n, common: DeepseekV3Config(first_k_dense_replace=0, **common),
+    "glm4_moe_lite": lambda s, n, common: Glm4MoeLiteConfig(mlp_layer_types=["sparse"] * n, **common),
+    "deepseek_v32": lambda s, n, common: DeepseekV32Config(
+        first_k_dense_replace=0, mlp_layer_types=["sparse"] * n, **common
+    ),
+    "glm_moe_dsa": lambda s, n, common: GlmMoeDsaConfig(
+        first_k_dense_replace=0, mlp_layer_types=["sparse"] * n, indexer_types=["full"] * n, **common
+    ),
+}

@@ -62,7 +62,7 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
     a sigmoid-gated shared expert of 64; qwen3_5 has a dense MLP 128 wide. Four layers so that one full-attention
     layer follows the linear ones, as in every 4-layer block of the real models.
 
-    The multi-head latent attention families (MLA_FAMILIES; `_tiny_mla` has the dims) are DeepSeek-V3
+    The multi-head latent attention families (MLA_FAMILIES; `_mla_dims` has the dims) are DeepSeek-V3
     (`deepseek_v3`), GLM-4.7-Flash (`glm4_moe_lite`) and, with DSA's lightning indexer, DeepSeek-V3.2
     (`deepseek_v32`, a config only) and GLM-5 (`glm_moe_dsa`): 3 layers, the first dense, V3-style sigmoid routing
     with a shared expert. The engines cache one latent and one RoPE key per token and layer (and, under DSA, the
@@ -77,8 +77,18 @@ def tiny_config(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
     return build(family, vocab_size, **overrides)
 
 
-def _tiny_qwen_moe(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
-    common = dict(
+def _tiny(config_class, dims, **own):
+    """A tiny family's builder: its kind's dims (a function of vocab_size), then the family's own arguments, then the
+    caller's overrides, given to the family's config class."""
+
+    def build(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
+        return config_class(**(dims(vocab_size) | own | overrides))
+
+    return build
+
+
+def _qwen_moe_dims(vocab_size: int) -> dict:
+    return dict(
         vocab_size=vocab_size,
         hidden_size=64,
         num_hidden_layers=2,
@@ -94,15 +104,10 @@ def _tiny_qwen_moe(family: str, vocab_size: int, **overrides) -> PretrainedConfi
         tie_word_embeddings=False,
         rope_theta=10000.0,
     )
-    common.update(overrides)
-    if family == "qwen3_moe":
-        return Qwen3MoeConfig(**{"head_dim": 16, **common})  # head_dim=32 serves on vLLM's CPU attention
-    common.setdefault("shared_expert_intermediate_size", 64)
-    return Qwen2MoeConfig(**common)
 
 
-def _tiny_qwen3(family: str, vocab_size: int, **overrides) -> Qwen3Config:
-    config = dict(
+def _qwen3_dims(vocab_size: int) -> dict:
+    return dict(
         vocab_size=vocab_size,
         hidden_size=64,
         num_hidden_layers=2,
@@ -114,12 +119,10 @@ def _tiny_qwen3(family: str, vocab_size: int, **overrides) -> Qwen3Config:
         tie_word_embeddings=False,
         rope_theta=10000.0,
     )
-    config.update(overrides)
-    return Qwen3Config(**config)
 
 
-def _tiny_hybrid(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
-    config = dict(
+def _hybrid_dims(vocab_size: int) -> dict:
+    return dict(
         vocab_size=vocab_size,
         hidden_size=64,
         num_hidden_layers=4,
@@ -136,20 +139,15 @@ def _tiny_hybrid(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
         max_position_embeddings=256,
         tie_word_embeddings=False,
     )
-    if family == "qwen3_5":
-        config.update(intermediate_size=128)
-    else:
-        config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
-        config.update(shared_expert_intermediate_size=64)
-    if family == "qwen3_next":  # Qwen3_5MoeTextConfig has none of these: every layer is MoE, top-k normalized
-        config.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], intermediate_size=128)
-    config.update(overrides)
-    cls = {"qwen3_5_moe": Qwen3_5MoeTextConfig, "qwen3_next": Qwen3NextConfig, "qwen3_5": Qwen3_5TextConfig}[family]
-    return cls(**config)
 
 
-def _tiny_glm4_moe(family: str, vocab_size: int, **overrides) -> Glm4MoeConfig:
-    config = dict(
+_HYBRID_EXPERTS = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64
+)
+
+
+def _glm4_moe_dims(vocab_size: int) -> dict:
+    return dict(
         vocab_size=vocab_size,
         hidden_size=64,
         num_hidden_layers=3,
@@ -173,8 +171,6 @@ def _tiny_glm4_moe(family: str, vocab_size: int, **overrides) -> Glm4MoeConfig:
         tie_word_embeddings=False,
         rope_theta=10000.0,
     )
-    config.update(overrides)
-    return Glm4MoeConfig(**config)
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -222,43 +218,54 @@ def moe_layout(config: PretrainedConfig) -> ExpertLayout | None:
     )
 
 
-def _tiny_mla(family: str, vocab_size: int, **overrides) -> PretrainedConfig:
-    """A tiny MLA MoE: 3 layers, the first dense (first_k_dense_replace / mlp_layer_types), 4 heads with q and kv
-    down-projections (q_lora_rank 32, kv_lora_rank 32), nope / rope / v head dims 16, interleaved RoPE as released;
-    V3-style routing: sigmoid with a score-correction bias, 2 groups of 2 experts (1 kept), top-2, routed scaling 2.5,
-    one shared expert."""
-    config = dict(
+def _mla_dims(vocab_size: int) -> dict:
+    """A tiny MLA MoE: 3 layers, 4 heads with q and kv down-projections (q_lora_rank 32, kv_lora_rank 32), nope / rope
+    / v head dims 16, interleaved RoPE as released; V3-style routing: sigmoid with a score-correction bias, 2 groups
+    of 2 experts (1 kept), top-2, routed scaling 2.5, one shared expert. The first layer is dense: the family says how
+    (first_k_dense_replace, or mlp_layer_types)."""
+    return dict(
         vocab_size=vocab_size, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
         intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
         topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
         max_position_embeddings=256, tie_word_embeddings=False,
     )  # fmt: skip
-    if family in ("deepseek_v32", "glm_moe_dsa"):
-        # DSA: a lightning indexer (2 heads of 16) picks index_topk keys per query; 64 covers the tests' sequences,
-        # where selection keeps every key (the dense path). GLM-5's third layer reuses the second's selection.
-        config.update(index_topk=64, index_n_heads=2, index_head_dim=16)
-        if family == "glm_moe_dsa":
-            config.update(indexer_types=["full", "full", "shared"])
-    if family in ("glm4_moe_lite", "glm_moe_dsa"):
-        config.update(mlp_layer_types=["dense", "sparse", "sparse"])
-    else:
-        config.update(first_k_dense_replace=1)
-    config.update(overrides)
-    classes = {"deepseek_v3": DeepseekV3Config, "glm4_moe_lite": Glm4MoeLiteConfig, "deepseek_v32": DeepseekV32Config,
-               "glm_moe_dsa": GlmMoeDsaConfig}  # fmt: skip
-    return classes[family](**config)
 
+
+def _dsa_dims(vocab_size: int) -> dict:
+    """MLA's, plus DSA's lightning indexer (2 heads of 16) picking index_topk keys per query; 64 covers the tests'
+    sequences, where selection keeps every key (the dense path)."""
+    return _mla_dims(vocab_size) | dict(index_topk=64, index_n_heads=2, index_head_dim=16)
+
+
+_DENSE_FIRST = ["dense", "sparse", "sparse"]
 
 # Each tiny family's config builder (family, vocab_size, **overrides) -> config, keyed by the registry's names. A new
 # family of an existing kind adds its entry to mint.models.families and its builder here.
 TINY_CONFIGS = {
-    "qwen3_moe": _tiny_qwen_moe,
-    "qwen2_moe": _tiny_qwen_moe,
-    "glm4_moe": _tiny_glm4_moe,
-    "qwen3": _tiny_qwen3,
-    **dict.fromkeys(HYBRID_FAMILIES, _tiny_hybrid),
-    **dict.fromkeys(MLA_FAMILIES, _tiny_mla),
+    "qwen3_moe": _tiny(Qwen3MoeConfig, _qwen_moe_dims, head_dim=16),  # head_dim=32 serves on vLLM's CPU attention
+    "qwen2_moe": _tiny(Qwen2MoeConfig, _qwen_moe_dims, shared_expert_intermediate_size=64),
+    "glm4_moe": _tiny(Glm4MoeConfig, _glm4_moe_dims),
+    "qwen3": _tiny(Qwen3Config, _qwen3_dims),
+    "qwen3_5_moe": _tiny(Qwen3_5MoeTextConfig, _hybrid_dims, **_HYBRID_EXPERTS),
+    # Qwen3_5MoeTextConfig has none of these: every layer is MoE, top-k normalized.
+    "qwen3_next": _tiny(
+        Qwen3NextConfig,
+        _hybrid_dims,
+        **_HYBRID_EXPERTS,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        intermediate_size=128,
+    ),
+    "qwen3_5": _tiny(Qwen3_5TextConfig, _hybrid_dims, intermediate_size=128),
+    "deepseek_v3": _tiny(DeepseekV3Config, _mla_dims, first_k_dense_replace=1),
+    "glm4_moe_lite": _tiny(Glm4MoeLiteConfig, _mla_dims, mlp_layer_types=_DENSE_FIRST),
+    "deepseek_v32": _tiny(DeepseekV32Config, _dsa_dims, first_k_dense_replace=1),
+    # GLM-5's third layer reuses the second's indexer selection.
+    "glm_moe_dsa": _tiny(
+        GlmMoeDsaConfig, _dsa_dims, mlp_layer_types=_DENSE_FIRST, indexer_types=["full", "full", "shared"]
+    ),
 }
 
 
