@@ -33,24 +33,23 @@ from longstraw._cp_collectives import (
     sum_to_replicated,
     world_size,
 )
-from longstraw.adapters import Adapter, KVState, adapter_for
+from longstraw.adapters import KINDS, Adapter, KVState, adapter_for
 from longstraw.adapters.base import IntoBuffer
-from longstraw.adapters.dsa import DsaAdapter
 from longstraw.adapters.hybrid import HybridQwenAdapter
-from longstraw.adapters.mla import MlaAdapter, SplitGradLatentState
-from longstraw.adapters.qwen import _FORCE, QwenAdapter, surrogate_backward
+from longstraw.adapters.mla import SplitGradLatentState
+from longstraw.adapters.qwen import _FORCE, surrogate_backward
 from longstraw.errors import LongStrawError
 
 __all__ = [
-    "CPHybridQwenAdapter",
     "CPKVState",
-    "CPMlaAdapter",
-    "CPQwenAdapter",
     "ContextParallel",
+    "HybridPages",
+    "LatentPages",
     "as_context_parallel",
     "capture_cp",
     "collective_log",
     "cp_adapter_for",
+    "cp_class",
     "cp_prefix_attention",
     "merge_partials",
     "own_rank",
@@ -219,8 +218,10 @@ class CPPrefix(NamedTuple):
 
 
 class ContextParallel:
-    """Mixin over a QwenAdapter-family adapter: capture, replay and prompt backward with the pages split over
-    `group`. Every rank runs every chunk and every replay (collectives in lockstep); see the module doc."""
+    """Context parallel over any adapter of the K/V-page kinds: capture, replay and prompt backward with the pages
+    split over `group`. Every rank runs every chunk and every replay (collectives in lockstep); see the module doc.
+    It is composed onto an adapter's own class (`as_context_parallel`), never written per family; the kinds whose
+    pages differ add their page handling below (`CP_KINDS`)."""
 
     group = None
     # cp_prefix_attention merges one sequence's partials; replay micro-batches are not split over ranks yet.
@@ -298,20 +299,13 @@ class ContextParallel:
         return graph_bytes
 
 
-class CPQwenAdapter(ContextParallel, QwenAdapter):
-    """QwenAdapter with the prefix pages split over `group` (qwen3_moe, qwen2_moe, qwen3, qwen2)."""
-
-    def __init__(self, model, group=None):
-        super().__init__(model)
-        self.group = group
-
-
-class CPHybridQwenAdapter(ContextParallel, HybridQwenAdapter):
-    """HybridQwenAdapter with its full layers' K/V pages split over `group` as above. The linear layers' recurrent
-    boundary is replicated: every rank already runs every chunk and every replay with the whole decoder, so each one
-    computes the same S and window (flat in P, ~61 MiB at Qwen3.5-35B-A3B) itself, and in exact mode carries the
-    same dS back (a replicated tensor gets the full gradient on every rank). Handing boundary states rank to rank
-    would only pay if ranks ran different chunks, which this layout never does (docs/decisions.md)."""
+class HybridPages(ContextParallel):
+    """The hybrid kind (HybridQwenAdapter): its full layers' K/V pages split over `group` as above. The linear
+    layers' recurrent boundary is replicated: every rank already runs every chunk and every replay with the whole
+    decoder, so each one computes the same S and window (flat in P, ~61 MiB at Qwen3.5-35B-A3B) itself, and in
+    exact mode carries the same dS back (a replicated tensor gets the full gradient on every rank). Handing boundary
+    states rank to rank would only pay if ranks ran different chunks, which this layout never does
+    (docs/decisions.md)."""
 
     capture = HybridQwenAdapter.capture
     backward_prompt = HybridQwenAdapter.backward_prompt
@@ -351,11 +345,12 @@ class CPHybridQwenAdapter(ContextParallel, HybridQwenAdapter):
         return g[0], g[1]
 
 
-class CPMlaAdapter(ContextParallel, MlaAdapter):
-    """MlaAdapter with its latent pages split over `group`: the merge above runs on the absorbed form (one K/V head
-    of width kv_lora_rank + qk_rope_head_dim whose value is the page itself; the rope columns of the output are
-    dropped), then each rank up-projects the merged latent through W_uv. The partials run on prefix_attention, whose
-    kernel accumulates the key and value gradients separately, so the pages' gradient is two buffers here."""
+class LatentPages(ContextParallel):
+    """The MLA kind (MlaAdapter): its latent pages split over `group`: the merge above runs on the absorbed form
+    (one K/V head of width kv_lora_rank + qk_rope_head_dim whose value is the page itself; the rope columns of the
+    output are dropped), then each rank up-projects the merged latent through W_uv. The partials run on
+    prefix_attention, whose kernel accumulates the key and value gradients separately, so the pages' gradient is two
+    buffers here."""
 
     pages = SplitGradLatentState
 
@@ -370,17 +365,13 @@ class CPMlaAdapter(ContextParallel, MlaAdapter):
 
 
 def as_context_parallel(adapter: Adapter, group=None) -> Adapter:
-    """The context-parallel twin of a QwenAdapter-family adapter (QwenAdapter and its subclasses): same modules and
-    settings (shared, not copied), pages split over `group`."""
-    if isinstance(adapter, ContextParallel):
-        twin = type(adapter).__new__(type(adapter))
-    elif isinstance(adapter, QwenAdapter):
-        twin = _cp_class(type(adapter)).__new__(_cp_class(type(adapter)))
-    else:
-        raise LongStrawError(f"context parallel covers QwenAdapter-family adapters, not {type(adapter).__name__}")
-    twin.__dict__.update(adapter.__dict__)
-    twin.group = group
-    return twin
+    """`adapter` with its pages split over `group`: the same modules and settings (shared, not copied), its class
+    composed with its kind's page handling (`cp_class`)."""
+    composed = cp_class(getattr(type(adapter), "composed_from", type(adapter)))
+    cp = composed.__new__(composed)
+    cp.__dict__.update(adapter.__dict__)
+    cp.group = group
+    return cp
 
 
 def cp_adapter_for(model, group=None) -> Adapter:
@@ -393,18 +384,23 @@ def capture_cp(adapter: Adapter, tokens_S: torch.Tensor, chunk_size: int, group=
     return as_context_parallel(adapter, group).capture(tokens_S, chunk_size)
 
 
-_CP_CLASSES: dict[type, type] = {
-    QwenAdapter: CPQwenAdapter,
-    HybridQwenAdapter: CPHybridQwenAdapter,
-    MlaAdapter: CPMlaAdapter,
-}
+def cp_kinds() -> dict[str, type[ContextParallel]]:
+    """Per LongStraw kind (longstraw.adapters.KINDS), how its pages split: the K/V pages of "gqa" are the base case,
+    the others override what their pages hold."""
+    from longstraw.context_parallel_dsa import IndexedLatentPages  # it builds on this module's classes
+
+    return {"gqa": ContextParallel, "hybrid": HybridPages, "mla": LatentPages, "dsa": IndexedLatentPages}
 
 
-def _cp_class(cls: type) -> type:
-    if cls is DsaAdapter and cls not in _CP_CLASSES:
-        from longstraw.context_parallel_dsa import CPDsaAdapter  # it builds on this module's classes
+_COMPOSED: dict[type, type] = {}
 
-        _CP_CLASSES[cls] = CPDsaAdapter
-    if cls not in _CP_CLASSES:
-        _CP_CLASSES[cls] = type(f"CP{cls.__name__}", (ContextParallel, cls), {})
-    return _CP_CLASSES[cls]
+
+def cp_class(cls: type[Adapter]) -> type[Adapter]:
+    """`cls` composed with its kind's page handling, made once per adapter class: a new family, or an adapter
+    subclass, of a kind LongStraw has needs no context-parallel code."""
+    if cls not in _COMPOSED:
+        kind = next((k for k, base in KINDS.items() if issubclass(cls, base)), None)
+        if kind is None:
+            raise LongStrawError(f"context parallel covers LongStraw's adapter kinds, not {cls.__name__}")
+        _COMPOSED[cls] = type(f"ContextParallel{cls.__name__}", (cp_kinds()[kind], cls), {"composed_from": cls})
+    return _COMPOSED[cls]

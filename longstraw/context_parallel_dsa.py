@@ -26,11 +26,11 @@ import torch
 import mint_kernels as kernels
 from longstraw._cp_collectives import all_gather, rank, replicated_to_partial, world_size
 from longstraw.adapters.base import KVState
-from longstraw.adapters.dsa import DsaAdapter, DsaState, top_keys
+from longstraw.adapters.dsa import DsaState, top_keys
 from longstraw.adapters.mla import LatentState
-from longstraw.context_parallel import ContextParallel, CPKVState, CPMlaAdapter, merge_partials, page_bounds
+from longstraw.context_parallel import ContextParallel, CPKVState, LatentPages, merge_partials, page_bounds
 
-__all__ = ["CPDsaAdapter", "merge_top_keys"]
+__all__ = ["IndexedLatentPages", "merge_top_keys"]
 
 
 def merge_top_keys(scores_C: torch.Tensor, positions_C: torch.Tensor, k: int) -> torch.Tensor:
@@ -61,16 +61,16 @@ class CPDsaPrefix(NamedTuple):
 @dataclass
 class SplitGradDsaState(DsaState):
     """DSA pages whose gradient is two buffers (key part, value part): the dense partials run on prefix_attention,
-    which accumulates them apart (as CPMlaAdapter's pages); the sparse partials add their whole gradient into the
+    which accumulates them apart (as LatentPages'); the sparse partials add their whole gradient into the
     key part's."""
 
     def zeros_like(self, dtype=torch.float32) -> KVState:
         return KVState.zeros_like(self, dtype)
 
 
-class CPDsaAdapter(CPMlaAdapter, DsaAdapter):
-    """DsaAdapter with its pages split over `group`: dense layers (within index_topk) as CPMlaAdapter, sparse ones
-    through the merged selection (module doc)."""
+class IndexedLatentPages(LatentPages):
+    """The DSA kind (DsaAdapter): its latent and indexer pages split over `group`: dense layers (within
+    index_topk) as LatentPages, sparse ones through the merged selection (module doc)."""
 
     pages = SplitGradDsaState
 

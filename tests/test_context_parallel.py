@@ -15,16 +15,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import build_random_tiny, lora_model
 
-from longstraw.adapters import adapter_for
+from longstraw.adapters import KINDS, Adapter, adapter_for
 from longstraw.context_parallel import (
+    ContextParallel,
+    as_context_parallel,
     capture_cp,
     collective_log,
     cp_adapter_for,
+    cp_class,
+    cp_kinds,
     cp_prefix_attention,
     own_rank,
     page_bounds,
 )
 from longstraw.engine import UpdateSpec, grpo_update, score_response
+from longstraw.errors import LongStrawError
 from mint_kernels import prefix_attention
 
 # The fp32 comparisons below part by at most 5.7 eps * max|value| (1.2e-6 at max|value| 3.1), measured under the
@@ -125,6 +130,34 @@ def test_page_layout_and_own_rank():
     assert own_rank(22, 22, 2) == 1  # the replay: the last page's owner
     assert own_rank(8, 22, 2) == 0 and own_rank(11, 22, 2) == 0 and own_rank(12, 22, 2) == 1
     assert own_rank(0, 22, 2) == 1 and own_rank(1, 3, 4) == 1  # rank 0 holds no page of S=3 over 4
+
+
+def test_context_parallel_composes_with_any_adapter_of_a_kind(tmp_path):
+    """No adapter has a hand-written twin: each kind's page handling is composed onto the adapter's own class, so a
+    subclass (a new family's adapter) gets context parallel with no code of its own, and an adapter of no kind is
+    refused in one line."""
+    for kind, cls in KINDS.items():
+        composed = cp_class(cls)
+        assert composed.__mro__[1] is cp_kinds()[kind] and issubclass(composed, cls)
+        assert cp_class(cls) is composed  # made once
+
+    class NewFamilyAdapter(KINDS["mla"]):
+        pass
+
+    composed = cp_class(NewFamilyAdapter)
+    assert issubclass(composed, NewFamilyAdapter) and issubclass(composed, cp_kinds()["mla"])
+    assert composed.pages is cp_kinds()["mla"].pages  # the latent pages' split gradient, not the plain ones
+
+    plain = adapter_for(lora_model(build_random_tiny("qwen3_moe", str(tmp_path / "base"))))
+    cp = as_context_parallel(plain, group=None)
+    assert type(cp) is cp_class(type(plain)) and cp.decoder is plain.decoder and not isinstance(plain, ContextParallel)
+    assert type(as_context_parallel(cp)) is type(cp)  # composing twice composes once
+
+    class Elsewhere(Adapter):
+        pass
+
+    with pytest.raises(LongStrawError, match="context parallel covers LongStraw's adapter kinds, not Elsewhere"):
+        cp_class(Elsewhere)
 
 
 def test_single_process_is_plain_prefix_attention():
