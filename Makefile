@@ -60,11 +60,16 @@ deps-latest:
 run: setup
 	$(BIN)/mint train recipes/smoke.toml
 
+# Two pytest workers (pytest-xdist) even on 2 cores: a serial run spends about half its time waiting on process starts
+# (Ray, DeepSpeed ranks, vLLM servers) with a core idle. --dist loadfile keeps a file's tests on one worker, so a
+# module's fixtures (a vLLM server, a Ray session, a shared smoke run) start once; docs/decisions.md.
+TEST_WORKERS ?= 2
+
 test: setup engines
-	$(BIN)/pytest -q --durations=25
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: setup
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check .
