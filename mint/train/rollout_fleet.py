@@ -30,6 +30,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from mint.config import Config
 from mint.errors import MintError
 from mint.rollout.backends import EngineError
+from mint.rollout.backends.base import EngineUnreachable
 from mint.train.engine_servers import EngineServers
 from mint.train.rollout_actor import RolloutActor, StaleRevision
 from mint.train.step import Revision
@@ -39,6 +40,8 @@ from mint.train.step import Revision
 FAILURES = (RayActorError, StaleRevision, EngineError)
 # How long a reload waits for Ray to bring a dead rollout actor back (it reloads its model: seconds on CPU).
 RESTART_WAIT_S = 300.0
+# How long an engine that refuses connections is watched for its death before its error ends the run.
+DEATH_WAIT_S = 15.0
 
 
 @dataclass
@@ -209,6 +212,14 @@ class RolloutFleet:
         gone with its node (`lost`) is not waited for: one line, which the driver turns into a restart elsewhere."""
         if isinstance(err, EngineError):
             self._revive_engines()
+            # A connection reset can reach us before the server's process has exited (a large process takes a
+            # while to tear down on a loaded machine): give an unreachable engine time to be seen dead.
+            deadline = time.monotonic() + DEATH_WAIT_S
+            while isinstance(err, EngineUnreachable) and self._generation == generation and self.engines is not None:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+                self._revive_engines()
             if self._generation == generation:
                 raise err
         elif isinstance(err, RayActorError) and self.lost:

@@ -43,6 +43,10 @@ class EngineError(MintError):
     """A rollout engine server is down, refused a request, or answered outside its protocol."""
 
 
+class EngineUnreachable(EngineError):
+    """No connection to a rollout engine server (refused, reset): often a server that is dying."""
+
+
 class RolloutBackend:
     """Where a step's groups are sampled. Subclasses: `BuiltinBackend`, `VllmBackend`, `SglangBackend`."""
 
@@ -90,7 +94,7 @@ class HttpBackend(RolloutBackend):
             raise EngineError(f"rollout engine {url}: {method} {path} timed out (engines.request_timeout)") from None
         except httpx.HTTPError as err:
             down = f"rollout engine {url} is down ({_one_line(err)}); start it or fix engines.urls"
-            raise EngineError(down) from None
+            raise EngineUnreachable(down) from None
         if response.status_code != 200:
             raise EngineError(
                 f"rollout engine {url}: {method} {path} answered {response.status_code}: {_one_line(response.text)}"
