@@ -60,16 +60,18 @@ deps-latest:
 run: setup
 	$(BIN)/mint train recipes/smoke.toml
 
-# Two pytest workers (pytest-xdist) even on 2 cores: a serial run spends about half its time waiting on process starts
-# (Ray, DeepSpeed ranks, vLLM servers) with a core idle. --dist loadfile keeps a file's tests on one worker, so a
-# module's fixtures (a vLLM server, a Ray session, a shared smoke run) start once; docs/decisions.md.
+# Two pytest workers (pytest-xdist) even on 2 cores: a serial run spends about a third of its time waiting on process
+# starts (Ray, DeepSpeed ranks, vLLM servers) with a core idle. tests/conftest.py groups each file's tests on one
+# worker (its module fixtures start once) except a few files of independent runs, and hands the longest work out
+# first; --no-loadscope-reorder keeps that order (xdist would sort by test count). docs/decisions.md.
 TEST_WORKERS ?= 2
+XDIST   = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test: setup engines
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(BIN)/pytest -q $(XDIST) --durations=25
 
 test-fast: setup
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+	$(BIN)/pytest -q $(XDIST) -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check .
