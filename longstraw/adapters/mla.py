@@ -67,12 +67,14 @@ class SplitGradLatentState(LatentState):
 
 def lora_parts(linear: nn.Module) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, float]]]:
     """(base weight [O, I], [(A [r, I], B [O, r], scaling)] of the active LoRA adapters) as the module's forward
-    applies them: none when the adapter is disabled or merged into the weight, or for a plain Linear."""
+    applies them: none when the adapter is disabled or merged into the weight, or for a plain Linear. A quantized
+    base linear (one with `dequantized()`, as mint's Fp8Linear) gives its weight dequantized, a temporary."""
     base = getattr(linear, "base_layer", linear)
+    weight = base.dequantized() if hasattr(base, "dequantized") else base.weight
     if not hasattr(linear, "lora_A") or linear.disable_adapters or getattr(linear, "merged", False):
-        return base.weight, []
+        return weight, []
     active = [a for a in linear.active_adapters if a in linear.lora_A]
-    return base.weight, [(linear.lora_A[a].weight, linear.lora_B[a].weight, linear.scaling[a]) for a in active]
+    return weight, [(linear.lora_A[a].weight, linear.lora_B[a].weight, linear.scaling[a]) for a in active]
 
 
 class MlaAdapter(QwenAdapter):

@@ -33,7 +33,15 @@ class ModelConfig:
         "qwen3_5 (dense), and the multi-head latent attention MoEs deepseek_v3, glm4_moe_lite and glm_moe_dsa "
         "(GLM-5's DSA).",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", "Dtype of the frozen base and the LoRA weights.")
+    dtype: Literal["float32", "bfloat16", "float16"] = knob(
+        "float32", "Dtype of the LoRA weights and of the compute; of the frozen base too, unless it is quantized."
+    )
+    quantization: Literal["auto", "none", "fp8"] = knob(
+        "auto",
+        "The frozen base's weights: fp8 keeps an FP8 checkpoint's block-quantized bytes (the DeepSeek-V3 layout) and "
+        "dequantizes per layer in the matmul; none is an unquantized checkpoint; auto reads the checkpoint's "
+        "quantization_config. A key the checkpoint contradicts is refused.",
+    )
 
 
 @dataclass(frozen=True)

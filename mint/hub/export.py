@@ -416,10 +416,15 @@ def export_per_expert(catalog: Catalog, ref: str, out: str | Path, base: str | N
 
 
 def merged_model(tensors: dict[str, torch.Tensor], adapter_config: dict, base_path: str):
-    """The base with the adapter folded in (fp32 merge), as a plain transformers model."""
+    """The base with the adapter folded in (fp32 merge), as a plain transformers model. Never into a quantized base:
+    the sum would be rounded back to FP8, losing most of the update; serve the adapter over the base instead."""
     from peft import PeftModel, set_peft_model_state_dict
 
+    from mint.models.quant_checkpoint import checkpoint_quantization
     from mint.models.specs import load_model
+
+    if Path(base_path).is_dir() and checkpoint_quantization(base_path) != "none":
+        raise MintError(f"{base_path}: an FP8 base; Mint never merges into a quantized base, serve the adapter over it")
 
     peft_model = PeftModel(load_model(base_path, "float32"), peft_lora_config(adapter_config))
     set_peft_model_state_dict(peft_model, tensors)

@@ -39,6 +39,7 @@ from torch import nn
 
 import mint_kernels
 from mint.errors import ConfigError
+from mint.models.quant import ExpertWeight, compute_dtype_view, is_quantized_experts
 
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
 _FACTORED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -129,7 +130,7 @@ def _active_adapter(wrappers: list[nn.Module]) -> str | None:
         if len(active) != 1 or (adapter is not None and active[0] != adapter):
             return None
         adapter = active[0]
-        if w.get_param().dtype not in _FACTORED_DTYPES:
+        if w.get_param().dtype not in _FACTORED_DTYPES and not is_quantized_experts(wrappers[-1].base_layer):
             return None
     return adapter
 
@@ -148,21 +149,28 @@ def _factored_forward(self, hidden_states, top_k_index, top_k_weights, *args, **
     return experts_forward(experts, gate_up, down, adapter, hidden_states, top_k_index, top_k_weights)
 
 
+def base_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The experts' own output (no LoRA) by the same path: the forward of quantized experts (mint.models.quant),
+    which transformers' forwards cannot run."""
+    return experts_forward(self, None, None, None, hidden_states, top_k_index, top_k_weights)
+
+
 def experts_forward(
     experts: nn.Module,
-    gate_up_lora: nn.Module,
-    down_lora: nn.Module,
-    adapter: str,
+    gate_up_lora: nn.Module | None,
+    down_lora: nn.Module | None,
+    adapter: str | None,
     x_T_H: torch.Tensor,
     top_k_index_T_K: torch.Tensor,
     top_k_weights_T_K: torch.Tensor,
 ) -> torch.Tensor:
-    """The experts' output with LoRA applied factored. x [T, H]; ids and weights [T, k] -> [T, H].
+    """The experts' output with LoRA applied factored (none when `adapter` is None). x [T, H]; ids and weights
+    [T, k] -> [T, H]. Quantized experts dequantize per expert segment inside the matmul (`ExpertWeight`).
 
     Ids equal to E (transformers' expert-parallel sentinel) are skipped, as transformers' forwards skip them.
     """
     T, K = top_k_index_T_K.shape
-    W_gu_E_O_H, W_d_E_H_I = getattr(experts, GATE_UP), getattr(experts, DOWN)
+    W_gu_E_O_H, W_d_E_H_I = ExpertWeight(experts, GATE_UP), ExpertWeight(experts, DOWN)
     E = W_gu_E_O_H.shape[0]
 
     # Sort the T*k (token, slot) pairs by expert once; offsets from the sorted ids need no host-side counting.
@@ -175,12 +183,14 @@ def experts_forward(
     perm_N = perm_N[:n]
     x_N_H = x_T_H[perm_N // K]
 
-    grouped = _grouped_mm_like_transformers(experts, x_N_H)
+    grouped = _grouped_mm_like_transformers(experts, x_N_H) and not W_gu_E_O_H.quantized
     gu_N_O = _segment_linear(x_N_H, W_gu_E_O_H, offsets_E1, ends, grouped)
-    gu_N_O = gu_N_O + _lora(gate_up_lora, adapter, x_N_H, offsets_E1)
+    if adapter is not None:
+        gu_N_O = gu_N_O + _lora(gate_up_lora, adapter, x_N_H, offsets_E1)
     h_N_I = experts._apply_gate(gu_N_O) if hasattr(experts, "_apply_gate") else _default_gate(experts, gu_N_O)
     y_N_H = _segment_linear(h_N_I, W_d_E_H_I, offsets_E1, ends, grouped)
-    y_N_H = y_N_H + _lora(down_lora, adapter, h_N_I, offsets_E1)
+    if adapter is not None:
+        y_N_H = y_N_H + _lora(down_lora, adapter, h_N_I, offsets_E1)
     y_N_H = y_N_H * top_k_weights_T_K.reshape(-1)[perm_N, None]
 
     if _implementation(experts) == "eager":
@@ -202,7 +212,12 @@ def _default_gate(experts: nn.Module, gu_N_O: torch.Tensor) -> torch.Tensor:
 def _lora(wrapper: nn.Module, adapter: str, x_N_I: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
     """s · (x A_e^T) B_e^T per expert segment, through the kernel API; factors as PEFT's `get_delta_factors`
     gives them for a swapped (E, out, in) parameter: B [E, O, r], A [E, r, I], in the parameter's dtype."""
-    B_E_O_R, A_E_R_I, scaling = wrapper.get_delta_factors(adapter)
+    experts = _wrapper_chain(wrapper)[-1].base_layer
+    if is_quantized_experts(experts):  # PEFT casts the factors to the base weight's dtype, here FP8
+        with compute_dtype_view(experts, wrapper.lora_A[adapter].weight.dtype):
+            B_E_O_R, A_E_R_I, scaling = wrapper.get_delta_factors(adapter)
+    else:
+        B_E_O_R, A_E_R_I, scaling = wrapper.get_delta_factors(adapter)
     return mint_kernels.expert_lora(x_N_I, A_E_R_I, B_E_O_R, offsets_E1, scaling)
 
 
@@ -221,15 +236,17 @@ def _grouped_mm_like_transformers(experts: nn.Module, x: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
-def _segment_linear(x_N_I, W_E_O_I, offsets_E1, ends: list[int], grouped: bool) -> torch.Tensor:
+def _segment_linear(x_N_I, W_E_O_I: ExpertWeight, offsets_E1, ends: list[int], grouped: bool) -> torch.Tensor:
     """Row segment e of x times W[e]^T, for rows sorted by expert. x [N, I]; W [E, O, I] -> [N, O].
 
     grouped: one torch grouped matmul (what transformers' grouped_mm forward runs on GPUs); otherwise a loop of
-    F.linear over the non-empty segments (transformers' eager forward, and its grouped fallback).
+    F.linear over the non-empty segments (transformers' eager forward, and its grouped fallback), each dequantizing
+    its expert's weight first when the experts are quantized.
     """
     if grouped and x_N_I.shape[0] > 0:
-        return F.grouped_mm(x_N_I.to(W_E_O_I.dtype), W_E_O_I.transpose(-2, -1), offs=offsets_E1[1:].to(torch.int32))
-    parts = [F.linear(x_N_I[lo:hi], W_E_O_I[e]) for e, (lo, hi) in enumerate(itertools.pairwise(ends)) if hi > lo]
+        W = W_E_O_I.weight
+        return F.grouped_mm(x_N_I.to(W.dtype), W.transpose(-2, -1), offs=offsets_E1[1:].to(torch.int32))
+    parts = [W_E_O_I.linear(x_N_I[lo:hi], e) for e, (lo, hi) in enumerate(itertools.pairwise(ends)) if hi > lo]
     if not parts:
         return x_N_I.new_zeros(0, W_E_O_I.shape[1])
     return torch.cat(parts)

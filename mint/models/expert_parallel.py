@@ -60,6 +60,7 @@ from mint.models.expert_lora import (
     expert_wrappers,
 )
 from mint.models.lora import add_lora, load_lora_state
+from mint.models.quant import ExpertWeight
 from mint.models.specs import DTYPES
 
 # load_slice(experts_module, parameter_name, lo, hi) -> the base parameter's rows lo:hi (e.g. read from a checkpoint)
@@ -207,8 +208,8 @@ def local_experts(
         y  = h W_d[e]^T  + s_d (h A_d[e]^T) B_d[e]^T
     with the LoRA terms omitted when adapter is None. The same per-segment helpers as the unsharded factored path.
     """
-    W_gu_E_O_H, W_d_E_H_I = getattr(experts, GATE_UP), getattr(experts, DOWN)
-    grouped = _grouped_mm_like_transformers(experts, x_N_H)
+    W_gu_E_O_H, W_d_E_H_I = ExpertWeight(experts, GATE_UP), ExpertWeight(experts, DOWN)
+    grouped = _grouped_mm_like_transformers(experts, x_N_H) and not W_gu_E_O_H.quantized
     gu_N_O = _segment_linear(x_N_H, W_gu_E_O_H, offsets_E1, ends, grouped)
     if adapter is not None:
         gu_N_O = gu_N_O + _lora(gate_up_lora, adapter, x_N_H, offsets_E1)

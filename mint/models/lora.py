@@ -14,6 +14,7 @@ from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state
 
 from mint.config import LoraConfig
 from mint.models.expert_lora import factor_experts
+from mint.models.quant import compute_dtype_view, is_quantized_experts
 from mint.models.specs import moe_layout
 
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -42,14 +43,15 @@ def add_lora(model: torch.nn.Module, lora: LoraConfig, seed: int, factored_exper
 
     factored_experts: fused-expert LoRA runs as x A^T B^T per routed row (`mint.models.expert_lora`); False keeps
     PEFT's materialized W + s·B A (for equality tests and benchmarks). The adapter's tensors are the same either way.
+    On a quantized base (mint.models.quant) the LoRA takes the compute dtype, and experts always run factored.
     """
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), compute_dtype_view(model, model.get_input_embeddings().weight.dtype):
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, peft_config(lora, model.config), autocast_adapter_dtype=False)
     for name, p in peft_model.named_parameters():
         p.requires_grad_("lora_" in name)
-    if factored_experts:
-        factor_experts(peft_model)
+    if factored_experts or any(is_quantized_experts(m) for m in peft_model.modules()):
+        factor_experts(peft_model)  # PEFT's materialized W + s·B A cannot add to FP8 bytes
     return peft_model
 
 

@@ -1,7 +1,9 @@
 """The per-GPU memory plan of a LongStraw learner rank: every term from real dims or measured per-layer figures.
 
     weights        the frozen base in its dtype: parameters counted from the real config (they reproduce the published
-                   totals), experts divided over the expert-parallel group
+                   totals), experts divided over the expert-parallel group; with an FP8 base (Job.quantization)
+                   attention, experts and dense MLPs at 1 byte + a fp32 scale per 128 x 128 block, the rest in the
+                   dtype, plus one matrix dequantized at a time (the largest) as a transient
     lora + optim   LoRA parameters from the dims and the rank; bf16 weights and gradients, fp32 master copy and two
                    Adam moments, the fp32 part sharded over the data-parallel ranks (ZeRO-1)
     prefix K/V     P x layers x 2 x kv_heads x head_dim in the dtype, over the context-parallel group
@@ -69,6 +71,7 @@ class Job:
     context_parallel: int = 1
     dtype_bytes: int = 2
     indexer_replay: bool = False  # DSA: record the rollout's top-k key indices per response token (off by default)
+    quantization: str = "none"  # "fp8": the frozen base's linears and experts as FP8 with block scales
 
 
 @dataclass
@@ -216,8 +219,35 @@ def param_counts(s: RealShape) -> dict[str, int]:
         "embed_head": 2 * s.vocab * s.hidden,
         "attention": s.full_layers * attn + s.linear_layers * linear_attention_params(s) + indexers,
         "experts": s.moe_layers * experts,
-        "shared_router_dense": s.moe_layers * (shared + router) + s.dense_layers * dense,
+        "shared_dense": s.moe_layers * shared + s.dense_layers * dense,
+        "router": s.moe_layers * router,
     }
+
+
+# FP8 base (mint.models.quant): a byte per weight plus one fp32 scale per 128 x 128 block, for the parts FP8
+# releases quantize (attention, experts, shared and dense MLPs); the embeddings, head and routers stay in the dtype.
+FP8_BYTES_PER_WEIGHT = 1 + 4 / (128 * 128)
+QUANTIZED_PARTS = ("attention", "experts", "shared_dense")
+
+
+def weight_bytes(s: RealShape, job: Job) -> float:
+    """The frozen base on one learner rank: the experts divided over the EP group, the rest whole."""
+    total = 0.0
+    for part, n in param_counts(s).items():
+        per_weight = FP8_BYTES_PER_WEIGHT if job.quantization == "fp8" and part in QUANTIZED_PARTS else job.dtype_bytes
+        total += n * per_weight / (job.expert_parallel if part == "experts" else 1)
+    return total
+
+
+def largest_weight(s: RealShape) -> int:
+    """Weights in the largest single quantized matrix: what one FP8 matmul dequantizes at a time (the dense
+    MLP's gate or up, one expert's fused gate_up, or an attention projection)."""
+    if s.mla:
+        attention = [i * o for i, o in mla_lora_modules(s).values()]
+    else:
+        attention = [s.hidden * _q_out(s), s.heads * s.head_dim * s.hidden]
+    mlp = [s.hidden * s.intermediate if s.dense_layers else 0, 2 * s.hidden * s.moe_intermediate]
+    return max(attention + mlp + [s.hidden * s.shared_intermediate])
 
 
 def lora_param_parts(s: RealShape, rank: int) -> tuple[int, int]:
@@ -298,17 +328,16 @@ def make_plan(s: RealShape, shape_key: str, job: Job, gpu_bytes: int) -> Plan:
         raise ConfigError(f"plan: mode {job.mode!r} is not exact or detached")
     figures = measured(shape_key)
     m = figures["per_layer"]
-    counts = param_counts(s)
     b = job.dtype_bytes
-    weights = (counts["embed_head"] + counts["attention"] + counts["shared_router_dense"]) * b
-    weights += counts["experts"] * b / job.expert_parallel
     attn_lora, expert_lora = lora_param_parts(s, job.lora_rank)
     n_lora = attn_lora + expert_lora / job.expert_parallel  # a rank holds its experts' LoRA only
     optim = n_lora * (2 * b + 12 / job.data_parallel)
     terms = {
-        "frozen base weights": weights,
+        "frozen base weights" + (" (FP8 + block scales)" if job.quantization == "fp8" else ""): weight_bytes(s, job),
         "LoRA + grads + AdamW (ZeRO-1)": optim,
     }
+    if job.quantization == "fp8":  # forward and backward each dequantize one matrix at a time, freed after its matmul
+        terms["FP8 dequantize transient (largest matrix in the dtype)"] = largest_weight(s) * b
     if s.mla:
         terms.update(mla_terms(s, {**m, "chunk": figures["chunk"]}, job))
         per_token = s.latent_bytes_per_token(b) + s.indexer_bytes_per_token(b)

@@ -142,7 +142,8 @@ class LearnerActor:
         if config.learner.expert_parallel > 1:
             model, param_groups = self._load_expert_parallel(model_config)
         else:
-            model = add_lora(load_model(self.model_path, config.model.dtype), config.lora, config.grpo.seed)
+            base = load_model(self.model_path, config.model.dtype, config.model.quantization)
+            model = add_lora(base, config.lora, config.grpo.seed)
             param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         if init_lora is not None:
             from mint.hub import from_bytes

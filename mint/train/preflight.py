@@ -93,10 +93,12 @@ def preflight(config: Config) -> Preflight:
     held_out, eval_stream = _eval_examples(config)
     _call_reward(rewards, examples[0])
     # From here on torch and transformers are imported (the tokenizer, and the rollout actor's prompt rendering).
+    from mint.models.quant_checkpoint import resolve_quantization
     from mint.rollout.prompts import prompt_tokens, stop_token_ids
 
     check_fp16(config)
     model = local or _named_model(config.model.path)
+    resolve_quantization(config.model.quantization, model.path)
     tokenizer = model.tokenizer or _tokenizer(model.path)
     if len(tokenizer) > model.vocab_size:
         raise ConfigError(

@@ -84,7 +84,8 @@ class RolloutActor:
         from mint.rollout.engine import RolloutEngine
 
         use_cuda = config.ray.rollout_gpus > 0 and torch.cuda.is_available()
-        model = add_lora(load_model(model_path, config.model.dtype), config.lora, config.grpo.seed)
+        base = load_model(model_path, config.model.dtype, config.model.quantization)
+        model = add_lora(base, config.lora, config.grpo.seed)
         self.model = model.to("cuda") if use_cuda else model
         eos = self.model.generation_config.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])

@@ -1,0 +1,237 @@
+"""FP8 checkpoints in the DeepSeek-V3 key layout: reading one into a quantized model, and writing one.
+
+Reading (`load_fp8`) never forms the dequantized base: the model is built with empty weights, each quantized
+linear becomes an `Fp8Linear` over the checkpoint's own bytes and scales, each experts module's per-expert
+weights (the hub layout, `experts.{e}.gate_proj.weight` ...) are stacked into its fused [E, O, I] FP8 parameters,
+and only the tensors that ship unquantized (embeddings, norms, routers, the head) are read in the compute dtype.
+
+Writing (`quantize_checkpoint`) is what a vendor's FP8 export does to a bf16 checkpoint, for the tiny FP8 bases:
+every nn.Linear and routed expert weight becomes FP8 with its block scales, except the modules FP8 releases keep in
+high precision (`KEEP`: the head, routers, shared-expert gates, DSA's indexer head weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import types
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from mint.errors import ConfigError
+from mint.models.expert_lora import base_experts_forward
+from mint.models.quant import SCALE_SUFFIX, Fp8Linear, block_of, quantize_experts, quantize_fp8
+
+KEEP = ("lm_head", "mlp.gate", "shared_expert_gate", "indexer.weights_proj")
+_PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def checkpoint_quantization(path: str) -> str:
+    """`fp8` for a checkpoint whose config.json declares FP8 e4m3 block scales, `none` for one without a
+    quantization_config; ConfigError for any other quantization (named), which Mint does not read."""
+    config = _config_json(path)
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not qc:
+        return "none"
+    method = qc.get("quant_method")
+    if method == "fp8" and qc.get("fmt", "e4m3") == "e4m3" and qc.get("weight_block_size"):
+        return "fp8"
+    raise ConfigError(f"model.path: {path} is quantized as {method!r} {qc.get('fmt', '')}; Mint reads FP8 e4m3 with "
+                      f"block scales (quant_method 'fp8', weight_block_size)")  # fmt: skip
+
+
+def resolve_quantization(requested: str, path: str) -> str:
+    """What model.quantization `requested` means for the checkpoint at `path`: `auto` is the checkpoint's own; `fp8`
+    and `none` must be it (Mint neither quantizes a base on load nor keeps a dequantized copy). One-line ConfigError
+    otherwise. A tiny:<family> spec not built yet is an unquantized base."""
+    found = "none" if str(path).startswith("tiny:") else checkpoint_quantization(path)
+    if requested not in ("auto", found):
+        hint = "; quantize it first (mint.models.quant_checkpoint.quantize_checkpoint)" if found == "none" else ""
+        kind = "an FP8" if found == "fp8" else "a plain"
+        raise ConfigError(
+            f"model.quantization: {requested}, but {path} is {kind} checkpoint; use auto or {found}{hint}"
+        )
+    return found
+
+
+def _config_json(path: str) -> dict:
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path).to_dict()
+    return json.loads(file.read_text())
+
+
+def _files(path: str) -> list[Path]:
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({root / f for f in json.loads(index.read_text())["weight_map"].values()})
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model.path: {path} has no .safetensors files")
+    return files
+
+
+def _tensors(path: str) -> dict[str, tuple[Path, str]]:
+    """Every tensor's name -> (its file, its name)."""
+    where = {}
+    for file in _files(path):
+        with safe_open(file, "pt") as f:
+            where.update((key, (file, key)) for key in f.keys())  # noqa: SIM118 (safe_open is not iterable)
+    return where
+
+
+def _read(where: tuple[Path, str]) -> torch.Tensor:
+    with safe_open(where[0], "pt") as f:
+        return f.get_tensor(where[1])
+
+
+def load_fp8(path: str, dtype: torch.dtype) -> nn.Module:
+    """The causal LM at `path` (an FP8 checkpoint) with its quantized weights kept FP8, the rest in `dtype`."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    block = tuple(config.quantization_config["weight_block_size"])
+    del config.quantization_config  # transformers' own FP8 path dequantizes on CPU and keeps the copy
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    where = _tensors(path)
+    modules = dict(model.named_modules())
+    used: set[str] = set()
+
+    experts: dict[str, dict[str, dict[int, str]]] = defaultdict(lambda: defaultdict(dict))
+    for key in where:
+        m = _PER_EXPERT.match(key)
+        if m:
+            experts[m["module"]][m["proj"]][int(m["e"])] = key
+    for name, projs in experts.items():
+        _load_experts(path, modules.get(name), name, projs, where, block, dtype)
+        used.update(k for keys in projs.values() for k in keys.values())
+        used.update(k + SCALE_SUFFIX for keys in projs.values() for k in keys.values())
+
+    for key in where:
+        if not key.endswith(".weight" + SCALE_SUFFIX) or key in used:
+            continue
+        name = key.removesuffix(".weight" + SCALE_SUFFIX)
+        linear = modules.get(name)
+        if not isinstance(linear, nn.Linear):
+            raise ConfigError(
+                f"model.path: {path}: {key} scales a weight of no linear module of {type(model).__name__}"
+            )
+        q, scale = _read(where[f"{name}.weight"]), _read(where[key])
+        if q.dtype != torch.float8_e4m3fn:
+            raise ConfigError(f"model.path: {path}: {name}.weight is {q.dtype}, not float8_e4m3fn")
+        bias = _read(where[f"{name}.bias"]) if f"{name}.bias" in where else None
+        parent, _, attr = name.rpartition(".")
+        setattr(modules[parent] if parent else model, attr, Fp8Linear(q, scale, block_of(q, scale, block), bias, dtype))
+        used.update({key, f"{name}.weight", f"{name}.bias"})
+
+    rest = {k: _as(_read(w), dtype) for k, w in where.items() if k not in used}
+    result = model.load_state_dict(rest, strict=False, assign=True)
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    unexpected = [k for k in result.unexpected_keys if not any(p.search(k) for p in ignored)]
+    if unexpected:
+        raise ConfigError(f"model.path: {path} has {len(unexpected)} weights {type(model).__name__} lacks, e.g. "
+                          f"{unexpected[0]}")  # fmt: skip
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        raise ConfigError(f"model.path: {path} lacks {len(missing)} weights, e.g. {missing[0]}")
+    return model
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor shipped unquantized, in the compute dtype (integer buffers as they are)."""
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def _load_experts(path, experts, name, projs, where, block, dtype) -> None:
+    """Stack one experts module's per-expert weights into its fused parameters, FP8 when the checkpoint's are."""
+    if experts is None or not all(hasattr(experts, fused) for fused in _FUSED):
+        raise ConfigError(f"model.path: {path}: {name} holds per-expert weights of no fused experts module")
+    count = getattr(experts, "num_experts", None) or experts.gate_up_proj.shape[0]
+    quantized = {}
+    for fused, parts in _FUSED.items():
+        per_expert = []
+        for e in range(count):
+            keys = [projs.get(p, {}).get(e) for p in parts]
+            if None in keys:
+                raise ConfigError(f"model.path: {path} lacks {name}.{e}.{parts[keys.index(None)]}.weight")
+            per_expert.append([(_read(where[k]), where.get(k + SCALE_SUFFIX)) for k in keys])
+        if all(scale is None for row in per_expert for _, scale in row):
+            weights = torch.stack([torch.cat([w for w, _ in row]) for row in per_expert]).to(dtype)
+            setattr(experts, fused, nn.Parameter(weights, requires_grad=False))
+            continue
+        rows = per_expert[0][0][0].shape[0]
+        if len(parts) > 1 and rows % block[0]:
+            raise ConfigError(f"model.path: {path}: {name}: {rows} rows of gate_proj are not whole {block[0]}-row "
+                              f"blocks, so gate and up cannot share one fused scale grid")  # fmt: skip
+        q = torch.stack([torch.cat([w for w, _ in row]) for row in per_expert])
+        scale = torch.stack([torch.cat([_read(s) for _, s in row]) for row in per_expert])
+        block_of(q, scale, block)
+        quantized[fused] = (q, scale)
+    if quantized:
+        if len(quantized) != len(_FUSED):
+            raise ConfigError(f"model.path: {path}: {name} quantizes some expert projections and not others")
+        quantize_experts(experts, quantized, block)
+        # PEFT's expert wrappers call it as their base layer; their factored forward reads the same FP8 weights.
+        experts.forward = types.MethodType(base_experts_forward, experts)
+
+
+def quantize_checkpoint(src: str, dst: str, block: tuple[int, int] = (128, 128), keep: tuple[str, ...] = KEEP) -> str:
+    """Write `src` (an unquantized checkpoint) to `dst` as FP8 e4m3 with `block` scales: every nn.Linear weight and
+    routed expert weight not under a `keep` module, with its `weight_scale_inv`; config.json gains the
+    quantization_config FP8 releases carry. Atomic: `dst` appears whole or not at all. Returns dst."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(src)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    tensors = {}
+    for key, where in _tensors(src).items():
+        t = _read(where)
+        module = key.removesuffix(".weight")
+        kept = any(k in module for k in keep)
+        if key.endswith(".weight") and not kept and (module in linears or _PER_EXPERT.match(key)):
+            q, scale = quantize_fp8(t, block)
+            tensors[key], tensors[f"{module}.weight{SCALE_SUFFIX}"] = q, scale
+        else:
+            tensors[key] = t.contiguous()
+    out = Path(dst)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        for f in Path(src).iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, tmp / f.name)
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(block),
+            "modules_to_not_convert": list(keep),
+        }
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        if out.exists():
+            raise FileExistsError(f"{dst} exists")
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
