@@ -5,6 +5,7 @@ Usage:
     python bench/real_shapes.py --prompt-len 4096                # only the naive full-sequence step vs exact (C=256)
     python bench/real_shapes.py --shape glm45_air --layers 1
     python bench/real_shapes.py --shape qwen35_35b_a3b --save    # a hybrid: one Gated DeltaNet + one full layer
+    python bench/real_shapes.py --quantization fp8               # factored_ckpt on the bf16 base and its FP8 copy
 
 Each configuration runs in a fresh process (as bench/longstraw_memory.py does; MALLOC_MMAP_THRESHOLD_=65536 on CPU):
   equality      the same model and LoRA (lora_B ~ N(0, 0.02), so the update is not zero) through PEFT's
@@ -82,6 +83,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--configs", default="", help="comma list (default: all that apply)")
     ap.add_argument("--save", action="store_true", help="write mint/models/measured/<shape>.json")
+    ap.add_argument(
+        "--quantization",
+        choices=("none", "fp8"),
+        default="none",
+        help="fp8: factored_ckpt on the bf16 base and on its FP8 copy (128 x 128 blocks), side by side",
+    )
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -96,6 +103,10 @@ def build(args, factored: bool, dtype=torch.bfloat16):
     torch.manual_seed(0)
     cfg = layer_config(shape(args.shape), args.layers, max_positions=args.prompt_len + args.response_len + 16)
     base = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval().requires_grad_(False)
+    if args.quantization == "fp8":
+        from mint.models.quant_checkpoint import quantize_model
+
+        base = quantize_model(base, (128, 128))
     model = add_lora(base, LoraConfig(rank=args.rank, alpha=2.0 * args.rank), seed=0, factored_experts=factored)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -170,7 +181,9 @@ def worker_update(args, factored: bool, ckpt: bool, tensors: bool) -> dict:
     reset.start()  # only to learn whether VmHWM resets here (the engine's own meter takes the peak)
     t0 = time.perf_counter()
     metrics = grpo_update(model, tokens_P, responses, objective, spec)  # the measured run
+    base = [t for n, t in [*model.named_parameters(), *model.named_buffers()] if "lora_" not in n]
     return {
+        "base_bytes": sum(t.numel() * t.element_size() for t in base),
         "peak_bytes": metrics.peak_memory_bytes,
         "replay_saved_bytes": metrics.graph_bytes_max,
         "prompt_chunk_saved_bytes": metrics.prompt_graph_bytes_max,
@@ -370,7 +383,8 @@ def worker(args) -> dict:
 
 def run_worker(args, config: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", config]
-    for key in ("shape", "layers", "prompt_len", "group", "response_len", "chunk", "rank", "threads", "experts"):
+    keys = ("shape", "layers", "prompt_len", "group", "response_len", "chunk", "rank", "threads", "experts")
+    for key in (*keys, "quantization"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     t0 = time.time()
@@ -391,6 +405,8 @@ def main() -> None:
         return
     from mint.models.shapes import shape
 
+    if args.quantization == "fp8":
+        return fp8_main(args)
     if shape(args.shape).hybrid or shape(args.shape).mla:
         return hybrid_main(args)
     configs = args.configs.split(",") if args.configs else ["equality", "materialized", "factored", "factored_ckpt"]
@@ -448,6 +464,30 @@ def main() -> None:
         runs=runs,
     )
     save(args, summary)
+    print(json.dumps(summary))
+
+
+def fp8_main(args) -> None:
+    """One exact update (factored_ckpt) on the bf16 base and on its FP8 copy, each in its own process: the base's
+    bytes, the bytes saved for backward (weights excluded, so a dequantized copy kept by the graph would count), the
+    RSS peak and the time."""
+    as_run = {q: argparse.Namespace(**{**vars(args), "quantization": q}) for q in ("none", "fp8")}
+    runs = {q: run_worker(run_args, "factored_ckpt") for q, run_args in as_run.items()}
+    bf16, fp8 = runs["none"], runs["fp8"]
+    summary = {
+        "bench": "real_shapes_fp8",
+        "shape": args.shape,
+        "layers": args.layers,
+        "P": args.prompt_len,
+        "G": args.group,
+        "R": args.response_len,
+        "bf16_over_fp8_base_bytes": round(bf16["base_bytes"] / fp8["base_bytes"], 3),
+        "fp8_over_bf16_replay_saved_bytes": round(fp8["replay_saved_bytes"] / bf16["replay_saved_bytes"], 4),
+        "fp8_over_bf16_chunk_saved_bytes": round(fp8["prompt_chunk_saved_bytes"] / bf16["prompt_chunk_saved_bytes"], 4),
+        "fp8_over_bf16_peak_rss": round(fp8["peak_bytes"] / bf16["peak_bytes"], 3),
+        "fp8_over_bf16_seconds": round(fp8["seconds"] / bf16["seconds"], 3),
+        "runs": runs,
+    }
     print(json.dumps(summary))
 
 

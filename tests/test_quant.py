@@ -178,3 +178,18 @@ def test_an_adapter_is_never_merged_into_an_fp8_base(tmp_path):
     _, path = _fp8_tiny("qwen3_moe", tmp_path)
     with pytest.raises(MintError, match="never merges into a quantized base"):
         merged_model({}, {}, path)
+
+
+def test_quantizing_a_loaded_model_gives_the_bytes_a_quantized_checkpoint_loads(tmp_path):
+    from mint.models.quant_checkpoint import quantize_model
+
+    src, path = _fp8_tiny("qwen2_moe", tmp_path)  # shared experts and q/k/v biases too
+    loaded = load_model(path, "float32")
+    converted = quantize_model(load_model(src, "float32"), BLOCK)
+    want = dict(loaded.state_dict())
+    got = dict(converted.state_dict())
+    assert got.keys() == want.keys() and any(t.dtype == FP8 for t in got.values())
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype, name
+        bits = (got[name].view(torch.uint8), t.view(torch.uint8)) if t.dtype == FP8 else (got[name], t)
+        assert torch.equal(*bits), name

@@ -126,6 +126,7 @@ for _family in (
             "Qwen/Qwen3.5-35B-A3B": "qwen35_35b_a3b",
             "Qwen/Qwen3.5-122B-A10B": "qwen35_122b_a10b",
             "Qwen/Qwen3.5-397B-A17B": "qwen35_397b_a17b",
+            "Qwen/Qwen3.5-397B-A17B-FP8": "qwen35_397b_a17b",
         },
         **_moe(),
     ),
@@ -179,7 +180,7 @@ for _family in (
         "dsa",
         tiny=True,
         refused_modules={"vllm": {"kv_b_proj": _VLLM_KV_B.format("glm_moe_dsa")}},
-        shapes={"zai-org/GLM-5": "glm5"},
+        shapes={"zai-org/GLM-5": "glm5", "zai-org/GLM-5-FP8": "glm5"},
         **_moe(),
     ),
 ):

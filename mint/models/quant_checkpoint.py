@@ -191,6 +191,25 @@ def _load_experts(path, experts, name, projs, where, block, dtype) -> None:
         experts.forward = types.MethodType(base_experts_forward, experts)
 
 
+def quantize_model(model: nn.Module, block: tuple[int, int] = (128, 128), keep: tuple[str, ...] = KEEP) -> nn.Module:
+    """`model` (unquantized, not yet wrapped by PEFT) with what `quantize_checkpoint` would quantize turned FP8 in
+    place, as `load_fp8` would have loaded it: for measurements at real dims, where writing the checkpoint first
+    would only cost disk."""
+    dtype = model.get_input_embeddings().weight.dtype
+    for name, module in list(model.named_modules()):
+        if any(k in name for k in keep):
+            continue
+        if isinstance(module, nn.Linear) and not isinstance(module, Fp8Linear):
+            parent, _, attr = name.rpartition(".")
+            q, scale = quantize_fp8(module.weight.detach(), block)
+            bias = None if module.bias is None else module.bias.detach()
+            setattr(model.get_submodule(parent) if parent else model, attr, Fp8Linear(q, scale, block, bias, dtype))
+        elif all(isinstance(getattr(module, p, None), torch.Tensor) for p in _FUSED) and module.gate_up_proj.dim() == 3:
+            quantize_experts(module, {p: quantize_fp8(getattr(module, p).detach(), block) for p in _FUSED}, block)
+            module.forward = types.MethodType(base_experts_forward, module)
+    return model
+
+
 def quantize_checkpoint(src: str, dst: str, block: tuple[int, int] = (128, 128), keep: tuple[str, ...] = KEEP) -> str:
     """Write `src` (an unquantized checkpoint) to `dst` as FP8 e4m3 with `block` scales: every nn.Linear weight and
     routed expert weight not under a `keep` module, with its `weight_scale_inv`; config.json gains the
