@@ -5,6 +5,7 @@ their fp32 gradient, DSA indexer pages and the optional indexer-replay record)."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -27,6 +28,7 @@ from mint.models.plan import (
     param_counts,
     parse_bytes,
     state_checkpoints,
+    weight_bytes,
 )
 from mint.models.shapes import SHAPES, RealShape, layer_config, shape
 from mint.models.specs import tiny_config
@@ -388,3 +390,27 @@ def test_mint_plan_counts_the_indexer_replay_records_the_recipe_asks_for(replay)
     assert proc.returncode in (0, 1), proc.stderr  # 1: does not fit (the bf16 base of GLM-5 on 32 GPUs)
     line = next(line for line in proc.stdout.splitlines() if "indexer replay record" in line)
     assert ("(on)" in line) == (replay == "true"), line
+
+
+@pytest.mark.parametrize(
+    "recipe, shape_key",
+    [("recipes/glm5_fp8_32xh20.toml", "glm5"), ("recipes/qwen35_397b_a17b_fp8_16xh20.toml", "qwen35_397b_a17b")],
+)
+def test_the_fp8_recipes_fit_their_learner_gpus_at_131072_tokens_and_bf16_does_not(recipe, shape_key, capsys):
+    """GLM-5 on 32 H20 and Qwen3.5-397B-A17B on 8 learner H20s, P = 131,072, G = 8, R = 4,096: with the FP8 base the
+    plan fits (every term shown); the same recipe with a bf16 base does not fit at any P."""
+    from mint.cli import main
+
+    args = ["--gpu-memory", "96GB", "--prompt-len", "131072"]
+    assert main(["plan", recipe, *args]) == 0
+    fp8 = capsys.readouterr().out
+    assert "frozen base weights (FP8 + block scales)" in fp8 and "FP8 dequantize transient" in fp8 and "fits" in fp8
+    assert main(["plan", recipe, "model.quantization=none", *args]) == 1
+    assert "P = 0" in capsys.readouterr().out
+    # The base term: attention, experts and dense MLPs at a byte and a 128 x 128 block's scale, the rest in bf16.
+    counts, s = param_counts(shape(shape_key)), shape(shape_key)
+    job = Job(prompt_len=131072, group=8, response_len=4096, expert_parallel=8)
+    bf16, fp8_bytes = weight_bytes(s, job), weight_bytes(s, dataclasses.replace(job, quantization="fp8"))
+    quantized = counts["attention"] + counts["experts"] / 8 + counts["shared_dense"]
+    assert fp8_bytes == pytest.approx(bf16 - quantized * (2 - 1 - 4 / 128**2))
+    assert bf16 / fp8_bytes > 1.9
