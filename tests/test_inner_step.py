@@ -253,6 +253,35 @@ def test_masked_token_with_rollout_logprob_minus_100_or_inf_adds_nothing_not_nan
     assert objective.stats()["kl"] == pytest.approx(float(st["kl_T"].sum()), abs=1e-7)
 
 
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_truncated_importance_sampling_weights_the_policy_gradient_by_the_capped_rollout_ratio(staleness):
+    """grpo.tis_cap = 2 on-policy: each kept token's policy-gradient term is weighted by min(pi_learner / pi_rollout,
+    2) from the learner's first pass (the KL term is not), so the gradient is w_t x the unweighted one's PG part.
+    Off-policy (max_staleness 1) the PPO ratio is already against the rollout's logprobs: no weight."""
+    overrides = [f"rollout.max_staleness={staleness}", "grpo.kl_coef=0.05", "grpo.r3=false", "grpo.icepop=false"]
+    rollout_R = torch.tensor([-2.0, -3.0, -1.0, -2.5])
+    old_R = torch.tensor([-2.2, -1.0, -1.1, -2.5])  # ratios exp(-0.2), exp(2) -> capped at 2, exp(-0.1), 1
+    ref_R = torch.tensor([-2.1, -1.2, -1.0, -2.4])
+    group = GroupBatch(torch.tensor([3, 9, 27]), [torch.tensor([7, 11, 13, 17])], [rollout_R], torch.tensor([1.0]))
+    plan = StepPlan([MicroStep(group, True)], total_tokens=4, total_seqs=1)
+    grads = {}
+    for cap in (0.0, 2.0):
+        config = build_config({}, [*overrides, f"grpo.tis_cap={cap}"])
+        ctx = StepContext(None, config, loss_spec(config), None, torch.device("cpu"), 1)
+        objective = GroupObjective(ctx, group, plan, _statuses(group, None))
+        logp_R = old_R.clone().requires_grad_()
+        objective.response_loss(0, logp_R, ref_R, [old_R], None).backward()
+        grads[cap] = logp_R.grad
+    if staleness:
+        assert torch.equal(grads[2.0], grads[0.0])
+        return
+    delta = ref_R - old_R
+    kl_grad = 0.05 * -(torch.exp(delta) - 1.0) / 4  # d/dlogp of the k3 KL, token-mean over 4 tokens
+    weight = torch.exp(old_R - rollout_R).clamp(max=2.0)
+    torch.testing.assert_close(grads[2.0] - kl_grad, weight * (grads[0.0] - kl_grad))
+    assert weight[1] == 2.0 and not torch.equal(grads[2.0], grads[0.0])
+
+
 def _stale_group(learner: LearnerActor, adv: float) -> GroupBatch:
     """Prompt 17, responses 4 and 3 (the shape of the failing qwen3 step). Rollout logprobs are the learner's own
     (ratio 1, kept) except the STALE tokens, which IcePop masks."""

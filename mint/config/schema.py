@@ -33,14 +33,9 @@ class ModelConfig:
         "qwen3_5 (dense), and the multi-head latent attention MoEs deepseek_v3, glm4_moe_lite and glm_moe_dsa "
         "(GLM-5's DSA).",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = knob(
-        "float32", "Dtype of the LoRA weights and of the compute; of the frozen base too, unless it is quantized."
-    )
+    dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", "Dtype of the LoRA and the compute (and base).")
     quantization: Literal["auto", "none", "fp8"] = knob(
-        "auto",
-        "The frozen base's weights: fp8 keeps an FP8 checkpoint's block-quantized bytes (the DeepSeek-V3 layout) and "
-        "dequantizes per layer in the matmul; none is an unquantized checkpoint; auto reads the checkpoint's "
-        "quantization_config. A key the checkpoint contradicts is refused.",
+        "auto", "fp8: an FP8 block-scaled checkpoint kept FP8, dequantized per matmul; auto: the checkpoint's own."
     )
 
 
@@ -212,6 +207,11 @@ class GrpoConfig:
     )
     icepop_alpha: float = knob(0.5, "Lower edge of the trusted ratio band (inclusive).", gt=0.0, max=1.0)
     icepop_beta: float = knob(5.0, "Upper edge of the trusted ratio band (inclusive).", min=1.0)
+    tis_cap: float = knob(
+        0.0,
+        "Truncated importance sampling (0: off): weight each kept token by min(learner/rollout ratio, tis_cap).",
+        min=0.0,
+    )
     min_kept_fraction: float = knob(0.2, "Stop when the trust mask keeps less of a step's tokens.", min=0.0, max=1.0)
     min_kept_patience: int = knob(3, "Steps in a row under grpo.min_kept_fraction (0: off) that stop the run.", min=1)
 

@@ -119,18 +119,24 @@ class LossSpec:
 
 
 def per_token_objective(
-    logp_T: Tensor, old_logp_T: Tensor, adv_T: Tensor, spec: LossSpec, ref_logp_T: Tensor | None = None
+    logp_T: Tensor,
+    old_logp_T: Tensor,
+    adv_T: Tensor,
+    spec: LossSpec,
+    ref_logp_T: Tensor | None = None,
+    is_weight_T: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token GRPO loss of one response: loss_T (float32) and detached per-token stats.
 
     logp_T: [T] log-probs of the sampled tokens under the policy being trained (the only input with a gradient).
     old_logp_T: [T] the same under the policy that sampled them. adv_T: [T], or [] broadcast (one per response).
-    ref_logp_T: [T] under the reference policy, needed when spec.kl_coef > 0.
+    ref_logp_T: [T] under the reference policy, needed when spec.kl_coef > 0. is_weight_T: [T] importance weights
+    of the policy-gradient term (truncated importance sampling, grpo.tis_cap), constants; the KL term is unweighted.
 
         r_t    = exp(clamp(logp_t - old_logp_t, -20, 20))          (LOG_RATIO_CLAMP: finite, never NaN grads)
         pg_t   = -min(r_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)
         kl_t   = exp(ref_t - logp_t) - (ref_t - logp_t) - 1          (k3 estimator of KL(pi || pi_ref), >= 0)
-        loss_t = pg_t + kl_coef * kl_t
+        loss_t = w_t * pg_t + kl_coef * kl_t                        (w_t = is_weight_T, 1 without)
 
     The clipped branch is active (clipped_T) where the clipped surrogate is strictly smaller: A > 0 and
     r > 1 + eps_high, or A < 0 and r < 1 - eps_low. There d pg / d logp = 0; elsewhere it is -A * r.
@@ -155,6 +161,8 @@ def per_token_objective(
     # where() rather than torch.minimum: minimum splits the gradient in half at ties, and we want the clipped
     # tokens to be exactly the ones with zero gradient (the clamped ratio is constant there).
     loss_T = -torch.where(clipped_T, clipped_surr_T, unclipped_T)
+    if is_weight_T is not None:
+        loss_T = loss_T * is_weight_T.detach().to(torch.float32)
 
     if ref_logp_T is not None:
         delta_T = ref_logp_T.detach().to(torch.float32) - logp_T

@@ -34,7 +34,7 @@ from longstraw.routing import ExpertLayout, GroupRoutes, RouteReplay
 from longstraw.scoring import token_logprobs
 from longstraw.trust import TrustCounts, icepop_status, out_of_route, trust_mask
 from mint.config import Config, norm_constant
-from mint.rl.grpo import LossSpec, per_token_objective, token_weights
+from mint.rl.grpo import LOG_RATIO_CLAMP, LossSpec, per_token_objective, token_weights
 
 
 @dataclass(frozen=True)
@@ -223,7 +223,13 @@ class GroupObjective:
         behaviour_R = rollout_R if self.ctx.config.rollout.max_staleness else old_R
         kept = mask_R.bool()
         logp_R, behaviour_R, ref_R = _kept_only(kept, logp_R, behaviour_R, ref_R)
-        loss_R, st = per_token_objective(logp_R, behaviour_R, adv_R, self.ctx.spec, ref_logp_T=ref_R)
+        weight_R = None
+        if grpo.tis_cap > 0 and not self.ctx.config.rollout.max_staleness:
+            # On-policy the ratio is against the learner's own first pass, so the rollout engine's mismatch is
+            # corrected here (off-policy the PPO ratio is already against the rollout's logprobs).
+            log_w = torch.where(kept, old_R.float() - rollout_R.float(), 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            weight_R = log_w.exp().clamp(max=grpo.tis_cap)
+        loss_R, st = per_token_objective(logp_R, behaviour_R, adv_R, self.ctx.spec, ref_R, weight_R)
         # A masked token's term is now finite (ratio 1: -A) but not 0; selecting drops it and its gradient.
         contribution = self.weights_G[i].to(device) * torch.where(kept, loss_R, 0.0).sum()
         self.sums["loss"] += float(contribution.detach())
