@@ -384,6 +384,39 @@ def _load_rank(rank, world, path, reference_path):
     return read
 
 
+def _load_fp8_rank(rank, world, path):
+    from mint.config import LoraConfig
+    from mint.models.expert_parallel import load_expert_parallel, shard_experts
+    from mint.models.lora import add_lora
+    from mint.models.quant import FP8, Fp8Linear
+    from mint.models.specs import load_model
+
+    model, read = load_expert_parallel(path, None, LoraConfig(), seed=0)
+    reference = add_lora(load_model(path), LoraConfig(), seed=0)  # the whole FP8 base, then cut to this rank
+    shard_experts(reference, None)
+    got, want = model.state_dict(), reference.state_dict()
+    assert got.keys() == want.keys() and any(t.dtype == FP8 for t in got.values())
+    assert any(isinstance(m, Fp8Linear) for m in model.modules())
+    for key in want:
+        a, b = got[key], want[key]
+        assert a.dtype == b.dtype and a.shape == b.shape, key
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == FP8 else torch.equal(a, b), key
+    ids, _ = _batch(rank, model.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=0, rtol=0)
+    return read
+
+
+def test_load_of_an_fp8_checkpoint_keeps_its_bytes_and_reads_only_local_experts(tmp_path, tiny_path):
+    """Expert parallel on an FP8 checkpoint (16 x 16 blocks): each of 2 ranks reads half the experts' FP8 bytes and
+    scales, and holds what sharding the whole FP8 base gives, byte for byte, with the same logits."""
+    from mint.models.quant_checkpoint import quantize_checkpoint
+
+    path = quantize_checkpoint(tiny_path, str(tmp_path / "fp8"), (16, 16))
+    for read in run_ranks(tmp_path, 2, _load_fp8_rank, path):
+        assert read["experts"] * 2 == read["experts_total"], read
+
+
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
 @pytest.mark.parametrize("world", [2, FOUR_RANKS])
 def test_load_reads_only_local_experts_and_equals_sharding_a_full_load(tmp_path, tiny_path, fused_path, world, layout):

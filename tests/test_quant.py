@@ -157,9 +157,6 @@ def test_model_quantization_must_match_the_checkpoint_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.quantization: none"):
         preflight(load_config("recipes/smoke.toml", overrides))
     assert preflight(load_config("recipes/smoke.toml", [*overrides[:1], overrides[2]])).model_path == path
-    sharded = [overrides[0], overrides[2], "learner.num_ranks=2", "learner.expert_parallel=2"]
-    with pytest.raises(ConfigError, match=r"^learner\.expert_parallel: expert parallel does not load an FP8 base yet"):
-        preflight(load_config("recipes/smoke.toml", sharded))
 
 
 def test_a_checkpoint_quantized_otherwise_is_refused_by_name(tmp_path):

@@ -60,7 +60,7 @@ from mint.models.expert_lora import (
     expert_wrappers,
 )
 from mint.models.lora import add_lora, load_lora_state
-from mint.models.quant import ExpertWeight
+from mint.models.quant import SCALE_SUFFIX, ExpertWeight, Fp8Linear, block_of, is_quantized_experts, quantize_experts
 from mint.models.specs import DTYPES
 
 # load_slice(experts_module, parameter_name, lo, hi) -> the base parameter's rows lo:hi (e.g. read from a checkpoint)
@@ -104,11 +104,14 @@ def shard_experts(peft_model: nn.Module, group: dist.ProcessGroup | None, load_s
         lo, hi = shard.first, shard.first + shard.per_rank
         for pname in (GATE_UP, DOWN):
             full = getattr(experts, pname)
-            local = load_slice(experts, pname, lo, hi) if load_slice else full.detach()[lo:hi].clone()
+            local, scale, block = _local_rows(experts, pname, lo, hi, load_slice)
             want = (shard.per_rank, *full.shape[1:])
             if tuple(local.shape) != want:
                 raise ConfigError(f"expert parallel: {name}.{pname}: got {tuple(local.shape)} rows, want {want}")
-            setattr(experts, pname, nn.Parameter(local.to(full.dtype), requires_grad=False))
+            if scale is not None:  # FP8 rows and their block scales (mint.models.quant)
+                quantize_experts(experts, {pname: (local, scale)}, block)
+            else:
+                setattr(experts, pname, nn.Parameter(local.to(full.dtype), requires_grad=False))
         if hasattr(experts, "num_experts"):
             experts.num_experts = shard.per_rank
         for wrapper in wrappers:
@@ -117,6 +120,18 @@ def shard_experts(peft_model: nn.Module, group: dist.ProcessGroup | None, load_s
         module.forward = types.MethodType(_ep_forward, module)
         count += 1
     return count
+
+
+def _local_rows(experts: nn.Module, pname: str, lo: int, hi: int, load_slice: SliceLoader | None):
+    """(rows lo:hi of the base parameter, their FP8 block scales or None, the block size or None): read by
+    `load_slice` (which returns a (rows, scales, block) triple for an FP8 checkpoint) or cut from the resident ones."""
+    if load_slice is not None:
+        local = load_slice(experts, pname, lo, hi)
+        return local if isinstance(local, tuple) else (local, None, None)
+    rows = getattr(experts, pname).detach()[lo:hi].clone()
+    if not is_quantized_experts(experts):
+        return rows, None, None
+    return rows, getattr(experts, pname + SCALE_SUFFIX)[lo:hi].clone(), experts.fp8_block
 
 
 def _shard_lora(wrapper: nn.Module, shard: ExpertShard) -> None:
@@ -317,9 +332,12 @@ def expert_bytes(model: nn.Module) -> dict[str, int]:
 
 # ---- loading only the local experts ---------------------------------------------------------------------------------
 
-_PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+# An expert's weight, or (FP8 checkpoints) its block scales.
+_PER_EXPERT = re.compile(
+    r"^(?P<module>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight(?:_scale_inv)?$"
+)
 _FUSED = re.compile(rf"^(?P<module>.+\.experts)\.(?P<proj>{GATE_UP}|{DOWN})$")
-_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1}
 
 
 def load_expert_parallel(
@@ -333,10 +351,18 @@ def load_expert_parallel(
     same seed as the unsharded model; `shard_experts` then cuts the adapter and puts the local rows in, read from
     the checkpoint: per-expert keys (`experts.{e}.gate_proj/up_proj/down_proj.weight`, the hub layout; gate_up[e]
     = cat(gate, up) as transformers fuses them) or fused stacks (`experts.gate_up_proj` [E, 2I, H], read as rows
-    lo:hi). Checkpoint keys other than the experts must be the model's own parameter names.
+    lo:hi). Checkpoint keys other than the experts must be the model's own parameter names. An FP8 checkpoint
+    (mint.models.quant) stays FP8: its quantized linears become Fp8Linear, and each rank's experts are its FP8 rows
+    and block scales (per-expert keys only).
     """
+    from mint.models.quant_checkpoint import checkpoint_quantization
+
     torch_dtype = DTYPES[dtype]
     config = AutoConfig.from_pretrained(path)
+    block = None
+    if checkpoint_quantization(path) == "fp8":  # kept FP8, as load_model keeps it (mint.models.quant)
+        block = tuple(config.quantization_config["weight_block_size"])
+        del config.quantization_config
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     experts_names = {}
@@ -348,12 +374,13 @@ def load_expert_parallel(
                 placeholder = torch.zeros((), dtype=torch_dtype).expand(w.shape)
                 setattr(module, pname, nn.Parameter(placeholder, requires_grad=False))
     with ExitStack() as stack:
-        reader = _CheckpointReader(path, stack, torch_dtype)
+        reader = _CheckpointReader(path, stack, torch_dtype, block)
+        reader.fp8_linears(model)
         dense = reader.dense_state()
         result = model.load_state_dict(dense, strict=False, assign=True)
         expert_keys = {f"{n}.{p}" for n in experts_names.values() for p in (GATE_UP, DOWN)}
         tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-        missing = set(result.missing_keys) - expert_keys - tied
+        missing = set(result.missing_keys) - expert_keys - tied - reader.taken
         if result.unexpected_keys or missing:
             raise ConfigError(
                 f"expert parallel load: {path}: keys the model does not have {sorted(result.unexpected_keys)[:3]}, "
@@ -379,7 +406,7 @@ def load_expert_parallel(
 class _CheckpointReader:
     """The safetensors files of a checkpoint, open for the loader's duration; counts the bytes it reads."""
 
-    def __init__(self, path: str, stack: ExitStack, dtype: torch.dtype):
+    def __init__(self, path: str, stack: ExitStack, dtype: torch.dtype, block: tuple[int, int] | None = None):
         from safetensors import safe_open
 
         root = Path(path)
@@ -389,7 +416,8 @@ class _CheckpointReader:
             if index.exists()
             else ["model.safetensors"]
         )
-        self.dtype = dtype
+        self.dtype, self.block = dtype, block
+        self.taken: set[str] = set()  # keys read already (an FP8 linear's weight, scales and bias)
         self.handles = {}
         for file in files:
             handle = stack.enter_context(safe_open(str(root / file), framework="pt"))
@@ -402,10 +430,25 @@ class _CheckpointReader:
         s = self.handles[key].get_slice(key)
         return _ITEMSIZE[s.get_dtype()] * int(torch.Size(s.get_shape()).numel())
 
+    def fp8_linears(self, model: nn.Module) -> None:
+        """Every linear the checkpoint quantizes (its `weight_scale_inv`) becomes an Fp8Linear over its bytes."""
+        for key in [k for k in self.handles if k.endswith(".weight" + SCALE_SUFFIX) and not _is_expert_key(k)]:
+            name = key.removesuffix(".weight" + SCALE_SUFFIX)
+            parent, _, attr = name.rpartition(".")
+            q, scale = self._raw(f"{name}.weight"), self._raw(key)
+            bias = self._raw(f"{name}.bias") if f"{name}.bias" in self.handles else None
+            linear = Fp8Linear(q, scale, self.block, bias, self.dtype)
+            setattr(model.get_submodule(parent) if parent else model, attr, linear)
+            self.taken.update({key, f"{name}.weight", f"{name}.bias"})
+
+    def _raw(self, key: str) -> torch.Tensor:
+        self.dense_bytes_read += self._nbytes(key)
+        return self.handles[key].get_tensor(key)
+
     def dense_state(self) -> dict[str, torch.Tensor]:
         state = {}
         for key, handle in self.handles.items():
-            if not _is_expert_key(key):
+            if not _is_expert_key(key) and key not in self.taken:
                 state[key] = handle.get_tensor(key).to(self.dtype)
                 self.dense_bytes_read += self._nbytes(key)
         return state
@@ -414,17 +457,27 @@ class _CheckpointReader:
         """Rows lo:hi of `module`.`pname` in the model's fused layout, reading only those experts."""
         fused = f"{module}.{pname}"
         if fused in self.handles:
+            if self.block is not None:
+                raise ConfigError(f"expert parallel load: {fused}: fused FP8 expert stacks are not read; per expert")
             return self._read(fused, slice(lo, hi))
         projs = ("gate_proj", "up_proj") if pname == GATE_UP else ("down_proj",)
-        rows = [torch.cat([self._read(f"{module}.{e}.{p}.weight", slice(None)) for p in projs]) for e in range(lo, hi)]
-        return torch.stack(rows)
+
+        def stacked(suffix: str) -> torch.Tensor:
+            keys = [[f"{module}.{e}.{p}.weight{suffix}" for p in projs] for e in range(lo, hi)]
+            return torch.stack([torch.cat([self._read(k, slice(None)) for k in row]) for row in keys])
+
+        if self.block is None:
+            return stacked("")
+        q, scale = stacked(""), stacked(SCALE_SUFFIX)
+        return q, scale, block_of(q, scale, self.block)  # refuses gate rows that are not whole blocks
 
     def _read(self, key: str, rows: slice) -> torch.Tensor:
         if key not in self.handles:
             raise ConfigError(f"expert parallel load: the checkpoint has no {key}")
         tensor = self.handles[key].get_slice(key)[rows]
         self.expert_bytes_read += tensor.numel() * tensor.element_size()
-        return tensor.to(self.dtype)
+        # FP8 bytes and their fp32 scales stay as they are (the experts compute on them); the rest takes the dtype.
+        return tensor if self.block is not None else tensor.to(self.dtype)
 
 
 def _is_expert_key(key: str) -> bool:

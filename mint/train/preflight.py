@@ -98,9 +98,7 @@ def preflight(config: Config) -> Preflight:
 
     check_fp16(config)
     model = local or _named_model(config.model.path)
-    if resolve_quantization(config.model.quantization, model.path) == "fp8" and config.learner.expert_parallel > 1:
-        # Its loader reads each rank's experts in the dtype: it would keep a dequantized copy (docs/quantization.md).
-        raise ConfigError("learner.expert_parallel: expert parallel does not load an FP8 base yet; set it to 1")
+    resolve_quantization(config.model.quantization, model.path)
     tokenizer = model.tokenizer or _tokenizer(model.path)
     if len(tokenizer) > model.vocab_size:
         raise ConfigError(
