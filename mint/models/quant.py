@@ -29,7 +29,6 @@ from mint.errors import ConfigError
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 SCALE_SUFFIX = "_scale_inv"  # beside each quantized tensor: `weight_scale_inv`, `gate_up_proj_scale_inv`
-METHODS = ("none", "fp8", "auto")
 
 
 # ---- the format -----------------------------------------------------------------------------------------------------
