@@ -228,7 +228,8 @@ def _update(model, tokens_P, responses, objective, spec, adapter, capture, backw
     clock = _Clock(tokens_P.device, spec.measure)
     lengths = [int(r.shape[0]) for r in responses]
     budget, estimate = spec.replay_budget_bytes, adapter.replay_graph_bytes
-    batches = plan_micro_batches(lengths, budget, estimate, adapter.batched_replay, spec.checkpoint_min_tokens)
+    planned = adapter.plan_lengths(lengths)
+    batches = plan_micro_batches(planned, budget, estimate, adapter.batched_replay, spec.checkpoint_min_tokens)
     # Prompt rows carry any response's routes; exact mode keeps what its prompt backward recomputes from.
     prompt_routes = positions_hook(hooks, routes, [0])
     prompt = adapter.with_options(on_positions=prompt_routes, keep_checkpoints=spec.mode == "exact")

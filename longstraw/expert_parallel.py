@@ -232,10 +232,12 @@ class LockstepAdapter:
       capture (and the reference's capture): ceil(S / chunk) chunk forwards through layers 0 .. L-2 (the last layer
                 stops at its K/V): the group agrees on the most chunks first, then ranks with fewer run empty passes
                 through the same layers.
-      replays (and reference replays): one forward per response; the caller makes G equal (`pad_responses`). A
-                forward with autograd checkpoints its layers by token count, which changes the collectives of its
-                backward (a checkpointed layer re-runs its forward inside backward), so the group agrees per forward:
-                checkpoint when the longest of the paired forwards reaches `checkpoint_min_tokens`.
+      replays (and reference replays): one forward per micro-batch; the caller makes G equal (`pad_responses`),
+                and every rank plans its micro-batches over the group's agreed lengths (`plan_lengths`), so the
+                ranks run as many. A forward with autograd checkpoints its layers by token count, which changes the
+                collectives of its backward (a checkpointed layer re-runs its forward inside backward), so the group
+                agrees per forward: checkpoint when the longest row of the paired forwards reaches
+                `checkpoint_min_tokens`.
       prompt backward (exact): ceil(S / chunk) chunk recomputes + backwards, last chunk first: the group agrees on
                 the most chunks, and on checkpointing every chunk when any rank's longest chunk reaches the
                 threshold; ranks with fewer run empty passes with autograd and back-propagate them (a zero loss:
@@ -249,8 +251,7 @@ class LockstepAdapter:
     vocab_limit = _forwarded("vocab_limit")
     on_positions = _forwarded("on_positions")
     index_replay = _forwarded("index_replay")
-    # One response per replay forward: ranks whose micro-batches differed would issue different MoE collectives.
-    batched_replay = False
+    batched_replay = _forwarded("batched_replay")
 
     def __init__(self, inner, lockstep: Lockstep):
         self.inner = inner
@@ -270,6 +271,19 @@ class LockstepAdapter:
     def replay_graph_bytes(self, rows: int, tokens: int) -> int:
         return self.inner.replay_graph_bytes(rows, tokens)
 
+    def plan_lengths(self, lengths: list[int]) -> list[int]:
+        """Lengths every rank of the group plans the same replay micro-batches over: the group's elementwise
+        maximum of each rank's lengths sorted longest first (the ranks replay as many responses, `pad_responses`),
+        given back to this rank's responses in that order. The plan depends only on the sorted lengths, so every
+        rank runs as many micro-batches, each the same place in the order; a rank's own rows are no longer than
+        the agreed ones, so its micro-batches stay within the budget the plan sized."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        agreed = self.lockstep.agree_max(*(lengths[i] for i in order))
+        planned = [0] * len(lengths)
+        for i, n in zip(order, agreed, strict=True):
+            planned[i] = n
+        return planned
+
     def capture(self, tokens_S: torch.Tensor, chunk_size: int):
         n = _chunks(tokens_S.shape[0], chunk_size)
         (n_max,) = self.lockstep.agree_max(n)
@@ -285,7 +299,7 @@ class LockstepAdapter:
         threshold = self.inner.checkpoint_min_tokens
         if not (torch.is_grad_enabled() and threshold > 0):
             return self.inner.forward(tokens_T, state, grad, constant_rows)
-        (n_max,) = self.lockstep.agree_max(tokens_T.shape[0])
+        (n_max,) = self.lockstep.agree_max(tokens_T.shape[-1])  # a row's tokens, as the threshold counts them
         agreed = self.inner.with_options(checkpoint_min_tokens=1 if n_max >= threshold else 0)  # 1: every; 0: never
         return agreed.forward(tokens_T, state, grad, constant_rows)
 

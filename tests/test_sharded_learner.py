@@ -22,18 +22,21 @@ import torch
 import torch.multiprocessing as mp
 from conftest import finish_rank, run_rank_processes
 
+from longstraw.adapters import adapter_for
 from mint.config import build_config
 from mint.train.inner_step import GroupBatch, MicroStep, StepPlan, longstraw_group_step, naive_group_step
 
 ATOL = RTOL = 1e-5
-# (mode, chunk_size, checkpoint_min_tokens): exact with unequal chunk counts and per-replay checkpoint agreement;
-# exact with every prompt chunk checkpointed on one rank's account (the padding rank's empty passes then checkpoint
-# too); detached.
+# (mode, chunk_size, checkpoint_min_tokens, batched): exact with unequal chunk counts and per-replay checkpoint
+# agreement; exact with every prompt chunk checkpointed on one rank's account (the padding rank's empty passes then
+# checkpoint too); exact with replay micro-batches of up to two rows (ranks with other lengths plan them over agreed
+# lengths, longstraw.expert_parallel.LockstepAdapter.plan_lengths); detached.
 SCENARIOS = {
     "naive": None,
-    "exact": ("exact", 2, 3),
-    "exact_checkpointed_chunks": ("exact", 4, 3),
-    "detached": ("detached", 2, 3),
+    "exact": ("exact", 2, 3, False),
+    "exact_checkpointed_chunks": ("exact", 4, 3, False),
+    "exact_batched": ("exact", 2, 0, True),
+    "detached": ("detached", 2, 3, False),
 }
 
 
@@ -120,8 +123,13 @@ def _config(ep: int, world: int):
     return build_config({}, overrides)
 
 
-def _with_longstraw(config, mode: str, chunk: int, threshold: int):
-    ls = dataclasses.replace(config.longstraw, mode=mode, chunk_size=chunk, checkpoint_min_tokens=threshold)
+def _with_longstraw(config, model, mode: str, chunk: int, threshold: int, batched: bool):
+    """config with LongStraw's `mode`, chunking and checkpoint threshold; `batched`: a replay budget that takes two
+    rows of 6 tokens (the groups' longest) but not three of 5, so groups of three split into 2 + 1."""
+    budget_mb = adapter_for(model).replay_graph_bytes(2, 6) / 2**20 if batched else 0.0
+    ls = dataclasses.replace(
+        config.longstraw, mode=mode, chunk_size=chunk, checkpoint_min_tokens=threshold, replay_budget_mb=budget_mb
+    )
     return dataclasses.replace(config, longstraw=ls)
 
 
@@ -170,7 +178,7 @@ def _learner_rank(rank, world, port, path, ep, init, assigned, observe):
     plan = StepPlan([MicroStep(g, True) for g in groups], total_tokens, total_seqs)
     out = {}
     for name, scenario in SCENARIOS.items():
-        learner.ctx.config = base if scenario is None else _with_longstraw(base, *scenario)
+        learner.ctx.config = base if scenario is None else _with_longstraw(base, learner.engine.module, *scenario)
         step = naive_group_step if scenario is None else longstraw_group_step
         logps = []
         for i, micro in enumerate(plan.micro_steps):
@@ -235,13 +243,14 @@ def test_ep2_learner_equals_the_single_rank_learner(tmp_path, family, world):
 @pytest.mark.slow
 def test_r3_replay_runs_no_token_on_unrecorded_experts(tmp_path):
     """Routes recorded on experts 0 and 1 only (rank 0's): under R3 the LongStraw steps send rank 1's experts no row
-    at all, while rank 1 still takes part in every MoE call (its group's tokens go to rank 0). The naive step is left
-    out: its right-padding positions have no recorded route and route natively (they are discarded)."""
+    at all, while rank 1 still takes part in every MoE call (its group's tokens go to rank 0). The naive step and the
+    batched replays are left out: their right-padding positions have no recorded route and route natively (they are
+    discarded)."""
     from conftest import build_random_tiny
 
     path = build_random_tiny("qwen3_moe", str(tmp_path / "qwen3"))
     groups = _groups(experts=[0, 1])
-    only_longstraw = {k: v for k, v in SCENARIOS.items() if v is not None}
+    only_longstraw = {k: v for k, v in SCENARIOS.items() if v is not None and not v[3]}
     results = run_learners(
         tmp_path, 2, _r3_rank, path, _adapter_bytes(path), [[groups[0]], [groups[1]]], only_longstraw
     )
@@ -316,7 +325,8 @@ def test_expert_parallel_config_is_refused_in_one_line(overrides, message):
 
 # ---- context parallel (longstraw.context_parallel) ---------------------------------------------------------------
 
-CP_SCENARIOS = {k: v for k, v in SCENARIOS.items() if v is not None}  # context parallel is LongStraw's only
+# Context parallel is LongStraw's only, and replays one response at a time (no batched scenario).
+CP_SCENARIOS = {k: v for k, v in SCENARIOS.items() if v is not None and not v[3]}
 
 
 def _cp_rank(rank, world, port, path, ep, cp, init, groups):
@@ -333,7 +343,7 @@ def _cp_rank(rank, world, port, path, ep, cp, init, groups):
     plan = plan_step(groups, world, 0, cp, ep)[rank]
     out = {"prompts": [bytes(m.group.prompt_tokens_P.numpy()) for m in plan.micro_steps]}
     for name, scenario in CP_SCENARIOS.items():
-        learner.ctx.config = _with_longstraw(base, *scenario)
+        learner.ctx.config = _with_longstraw(base, learner.engine.module, *scenario)
         logps = {}
         for i, micro in enumerate(plan.micro_steps):
             _, logp = longstraw_group_step(learner.ctx, micro, plan, None, last=i == len(plan.micro_steps) - 1)

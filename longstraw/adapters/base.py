@@ -191,6 +191,11 @@ class Adapter(ABC):
             setattr(twin, name, value)
         return twin
 
+    def plan_lengths(self, lengths: list[int]) -> list[int]:
+        """The response lengths replay micro-batches are planned over: their own. An adapter whose ranks must run the
+        same forwards (expert parallel's lockstep) plans over lengths its group agrees on."""
+        return lengths
+
     def replay_graph_bytes(self, rows: int, tokens: int) -> int:
         """Estimated bytes a forward with autograd over `rows` responses of `tokens` tokens saves for backward: what
         sizes replay micro-batches. Needed where `batched_replay` is True."""

@@ -281,7 +281,7 @@ class LongStrawConfig:
         "MiB that one replay micro-batch may save for backward, by the adapter's estimate: a group's responses are "
         "replayed together (padded to the longest, one forward and one backward) while their micro-batch fits. "
         "0, or less than one response needs, replays one response at a time. It bounds LongStraw's live memory in "
-        "place of the longest response's graph (docs/longstraw.md). Context and expert parallel replay one at a time.",
+        "place of the longest response's graph (docs/longstraw.md). Context parallel replays one at a time.",
         min=0.0,
     )
     kernels: Literal["auto", "on", "off"] = knob(
