@@ -158,7 +158,7 @@ def _plan(args) -> int:
         context_parallel=config.longstraw.context_parallel,
         dtype_bytes=4 if config.model.dtype == "float32" else 2,
         indexer_replay=config.grpo.indexer_replay,
-        quantization="fp8" if config.model.quantization == "fp8" else "none",
+        quantization=config.model.quantization if config.model.quantization in ("fp8", "int4") else "none",
     )
     result = make_plan(real, key, job, parse_bytes(args.gpu_memory))
     print(result.table())

@@ -34,8 +34,10 @@ class ModelConfig:
         "(GLM-5's DSA).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = knob("float32", "Dtype of the LoRA and the compute (and base).")
-    quantization: Literal["auto", "none", "fp8"] = knob(
-        "auto", "fp8: an FP8 block-scaled checkpoint kept FP8, dequantized per matmul; auto: the checkpoint's own."
+    quantization: Literal["auto", "none", "fp8", "int4"] = knob(
+        "auto",
+        "fp8: an FP8 block-scaled checkpoint kept FP8; int4: a compressed-tensors pack-quantized one kept packed; "
+        "both dequantized per matmul. auto: the checkpoint's own.",
     )
 
 

@@ -100,12 +100,12 @@ def _check_layout(name: str, wrappers: list[nn.Module]) -> None:
         raise ConfigError(f"lora: {name}: factored experts need LoRA on exactly {GATE_UP} and {DOWN}; {hint}")
     flags = dict(is_transposed=False, has_bias=False, has_gate=True, is_concatenated=True, has_post_expert_norm=False)
     wrong = [k for k, want in flags.items() if getattr(experts, k, want) != want]
-    gate_up, down = getattr(experts, GATE_UP, None), getattr(experts, DOWN, None)
+    gate_up, down = (ExpertWeight(experts, p) if hasattr(experts, p) else None for p in (GATE_UP, DOWN))
     shapes_ok = (
         gate_up is not None
         and down is not None
-        and gate_up.dim() == 3
-        and down.dim() == 3
+        and len(gate_up.shape) == 3
+        and len(down.shape) == 3
         and gate_up.shape[0] == down.shape[0]
         and gate_up.shape[1] == 2 * down.shape[2]
         and gate_up.shape[2] == down.shape[1]

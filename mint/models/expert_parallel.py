@@ -360,7 +360,11 @@ def load_expert_parallel(
     torch_dtype = DTYPES[dtype]
     config = AutoConfig.from_pretrained(path)
     block = None
-    if checkpoint_quantization(path) == "fp8":  # kept FP8, as load_model keeps it (mint.models.quant)
+    kind = checkpoint_quantization(path)
+    if kind == "int4":
+        raise ConfigError(f"learner.expert_parallel: {path} is an INT4 (pack-quantized) checkpoint; expert parallel "
+                          f"reads FP8 and unquantized ones, so run INT4 bases with expert_parallel = 1")  # fmt: skip
+    if kind == "fp8":  # kept FP8, as load_model keeps it (mint.models.quant)
         block = tuple(config.quantization_config["weight_block_size"])
         del config.quantization_config
     with init_empty_weights():

@@ -3,7 +3,8 @@
     weights        the frozen base in its dtype: parameters counted from the real config (they reproduce the published
                    totals), experts divided over the expert-parallel group; with an FP8 base (Job.quantization)
                    attention, experts and dense MLPs at 1 byte + a fp32 scale per 128 x 128 block, the rest in the
-                   dtype, plus one matrix dequantized at a time (the largest) as a transient
+                   dtype, plus one matrix dequantized at a time (the largest) as a transient; with an INT4 base
+                   (Kimi-K2.5's scheme) the routed experts at half a byte + a bf16 scale per 32 weights
     lora + optim   LoRA parameters from the dims and the rank; bf16 weights and gradients, fp32 master copy and two
                    Adam moments, the fp32 part sharded over the data-parallel ranks (ZeRO-1)
     prefix K/V     P x layers x 2 x kv_heads x head_dim in the dtype, over the context-parallel group
@@ -71,7 +72,7 @@ class Job:
     context_parallel: int = 1
     dtype_bytes: int = 2
     indexer_replay: bool = False  # DSA: record the rollout's top-k key indices per response token (off by default)
-    quantization: str = "none"  # "fp8": the frozen base's linears and experts as FP8 with block scales
+    quantization: str = "none"  # "fp8": linears and experts FP8 with block scales; "int4": experts packed INT4
 
 
 @dataclass
@@ -227,21 +228,31 @@ def param_counts(s: RealShape) -> dict[str, int]:
 # FP8 base (mint.models.quant): a byte per weight plus one fp32 scale per 128 x 128 block, for the parts FP8
 # releases quantize (attention, experts, shared and dense MLPs); the embeddings, head and routers stay in the dtype.
 FP8_BYTES_PER_WEIGHT = 1 + 4 / (128 * 128)
-QUANTIZED_PARTS = ("attention", "experts", "shared_dense")
+# INT4 base (mint.models.quant_int4) in Kimi-K2.5's scheme: the routed experts only, 4-bit ints packed eight to an
+# int32 word plus one bf16 scale per group of 32 inputs; everything else stays in the dtype.
+INT4_BYTES_PER_WEIGHT = 0.5 + 2 / 32
+QUANTIZED = {
+    "fp8": (FP8_BYTES_PER_WEIGHT, ("attention", "experts", "shared_dense")),
+    "int4": (INT4_BYTES_PER_WEIGHT, ("experts",)),
+}
+QUANTIZED_LABELS = {"fp8": "FP8 + block scales", "int4": "INT4 experts + group scales"}
 
 
 def weight_bytes(s: RealShape, job: Job) -> float:
     """The frozen base on one learner rank: the experts divided over the EP group, the rest whole."""
+    per_quantized, parts = QUANTIZED.get(job.quantization, (0.0, ()))
     total = 0.0
     for part, n in param_counts(s).items():
-        per_weight = FP8_BYTES_PER_WEIGHT if job.quantization == "fp8" and part in QUANTIZED_PARTS else job.dtype_bytes
+        per_weight = per_quantized if part in parts else job.dtype_bytes
         total += n * per_weight / (job.expert_parallel if part == "experts" else 1)
     return total
 
 
-def largest_weight(s: RealShape) -> int:
-    """Weights in the largest single quantized matrix: what one FP8 matmul dequantizes at a time (the dense
-    MLP's gate or up, one expert's fused gate_up, or an attention projection)."""
+def largest_weight(s: RealShape, quantization: str = "fp8") -> int:
+    """Weights in the largest single quantized matrix: what one dequantizing matmul forms at a time. FP8: the dense
+    MLP's gate or up, one expert's fused gate_up, or an attention projection; INT4: one expert's fused gate_up."""
+    if quantization == "int4":
+        return 2 * s.hidden * s.moe_intermediate
     if s.mla:
         attention = [i * o for i, o in mla_lora_modules(s).values()]
     else:
@@ -333,11 +344,14 @@ def make_plan(s: RealShape, shape_key: str, job: Job, gpu_bytes: int) -> Plan:
     n_lora = attn_lora + expert_lora / job.expert_parallel  # a rank holds its experts' LoRA only
     optim = n_lora * (2 * b + 12 / job.data_parallel)
     terms = {
-        "frozen base weights" + (" (FP8 + block scales)" if job.quantization == "fp8" else ""): weight_bytes(s, job),
+        "frozen base weights" + (f" ({QUANTIZED_LABELS[job.quantization]})" if job.quantization in QUANTIZED else ""): (
+            weight_bytes(s, job)
+        ),
         "LoRA + grads + AdamW (ZeRO-1)": optim,
     }
-    if job.quantization == "fp8":  # forward and backward each dequantize one matrix at a time, freed after its matmul
-        terms["FP8 dequantize transient (largest matrix in the dtype)"] = largest_weight(s) * b
+    if job.quantization in QUANTIZED:  # forward and backward each dequantize one matrix at a time, freed after it
+        name = job.quantization.upper()
+        terms[f"{name} dequantize transient (largest matrix in the dtype)"] = largest_weight(s, job.quantization) * b
     if s.mla:
         terms.update(mla_terms(s, {**m, "chunk": figures["chunk"]}, job))
         per_token = s.latent_bytes_per_token(b) + s.indexer_bytes_per_token(b)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mint.errors import ConfigError
+from mint.models.quant_int4 import PackedLinear, packed_experts_weight
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -126,50 +127,58 @@ class Fp8Linear(nn.Linear):
 
 
 def dense_weight(linear: nn.Module) -> torch.Tensor:
-    """A frozen linear's weight [O, I] in its compute dtype: dequantized for an Fp8Linear (a temporary, for code
-    that must form the matrix itself, as MLA's absorbed up-projection), the parameter itself otherwise."""
-    return linear.dequantized() if isinstance(linear, Fp8Linear) else linear.weight
+    """A frozen linear's weight [O, I] in its compute dtype: dequantized for an Fp8Linear or PackedLinear (a
+    temporary, for code that must form the matrix itself, as MLA's absorbed up-projection), the parameter itself
+    otherwise."""
+    return linear.dequantized() if isinstance(linear, (Fp8Linear, PackedLinear)) else linear.weight
 
 
 class ExpertWeight:
     """One fused-experts weight [E, O, I] as `experts_forward` reads it: `linear(x, e)` is x W[e]^T, dequantized
-    in the matmul when the experts are quantized (`quantize_experts`)."""
+    in the matmul when the experts are quantized (FP8 blocks, `quantize_experts`; or pack-quantized INT,
+    `mint.models.quant_int4.pack_experts`)."""
 
     def __init__(self, experts: nn.Module, name: str):
         self.weight = getattr(experts, name)
         self.scale = getattr(experts, name + SCALE_SUFFIX, None)
         self.block = getattr(experts, "fp8_block", None)
+        self.packed = packed_experts_weight(experts, name) if hasattr(experts, "packed_scheme") else None
 
     @property
     def shape(self) -> torch.Size:
-        return self.weight.shape
+        return self.packed.shape if self.packed is not None else self.weight.shape
 
     @property
     def quantized(self) -> bool:
-        return self.scale is not None
+        return self.scale is not None or self.packed is not None
 
     def linear(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.linear(x, e)
         if self.scale is None:
             return F.linear(x, self.weight[e])
         return fp8_linear(x, self.weight[e], self.scale[e], self.block)
 
 
 def is_quantized_experts(experts: nn.Module) -> bool:
-    return hasattr(experts, "fp8_block")
+    return hasattr(experts, "fp8_block") or hasattr(experts, "packed_scheme")
 
 
 @contextmanager
 def compute_dtype_view(model: nn.Module, dtype: torch.dtype):
-    """While PEFT wraps `model`: each quantized experts weight stands in as a `dtype` tensor of its shape (one value,
-    expanded: no memory). PEFT puts an expert parameter's LoRA factors in that parameter's dtype, which for FP8
-    bytes would round the factors' initial values to FP8; the LoRA must be in the compute dtype, as over Fp8Linear.
-    The FP8 parameters are back in place on exit; PEFT's wrappers read them by name, on every call."""
+    """While PEFT wraps `model`: each quantized experts weight stands in as a `dtype` tensor of its shape [E, O, I]
+    (one value, expanded: no memory). PEFT puts an expert parameter's LoRA factors in that parameter's dtype, which
+    for FP8 bytes would round the factors' initial values to FP8 (and packed INT words have another shape); the
+    LoRA must be in the compute dtype, as over Fp8Linear. The quantized parameters are back in place on exit; PEFT's
+    wrappers read them by name, on every call."""
     swapped = []
     for module in model.modules():
         if is_quantized_experts(module):
+            packed = getattr(module, "packed_shapes", {})
             for name, p in list(module.named_parameters(recurse=False)):
-                if p.dtype == FP8:
-                    stand_in = torch.zeros((), dtype=dtype, device=p.device).expand(p.shape)
+                if p.dtype == FP8 or name in packed:
+                    shape = (p.shape[0], *packed[name]) if name in packed else p.shape
+                    stand_in = torch.zeros((), dtype=dtype, device=p.device).expand(shape)
                     setattr(module, name, nn.Parameter(stand_in, requires_grad=False))
                     swapped.append((module, name, p))
     try:

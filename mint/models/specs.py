@@ -302,23 +302,25 @@ def causal_lm_config(config: PretrainedConfig) -> PretrainedConfig:
 def load_model(path: str, dtype: str = "float32", quantization: str = "auto") -> torch.nn.Module:
     """Load a causal LM from a hub id or a local directory, in eval mode, with all base weights frozen.
 
-    An FP8 checkpoint (model.quantization auto or fp8) keeps its quantized weights FP8 and computes in `dtype`
-    (mint.models.quant); `quantization` and the checkpoint must agree (`resolve_quantization`).
+    An FP8 or INT4 checkpoint (model.quantization auto, fp8 or int4) keeps its quantized weights as they ship and
+    computes in `dtype` (mint.models.quant, mint.models.quant_int4); `quantization` and the checkpoint must agree
+    (`resolve_quantization`).
 
     A vision-language checkpoint of VLM_TEXT_MODEL_TYPES loads as its text model (the vision tower is not loaded):
     by AutoModelForCausalLM's own mapping, or as the text_config's CausalLM reading the keys VLM_TEXT_KEY_MAPPINGS
     renames. For those families (and the Qwen3.5 text models) a base weight the checkpoint lacks is an error, not a
     freshly initialized (and frozen) one: it is what a renaming of the checkpoint's language-model keys that did not
     apply would look like."""
-    from mint.models.quant_checkpoint import load_fp8, resolve_quantization
+    from mint.models.quant_checkpoint import load_quantized, resolve_quantization
 
-    if resolve_quantization(quantization, path) == "fp8":
-        model = load_fp8(path, DTYPES[dtype])
-        model.eval()
-        return model
+    kind = resolve_quantization(quantization, path)
     config = AutoConfig.from_pretrained(path)
     vlm = vlm_text_model_type(config)
     renames = VLM_TEXT_KEY_MAPPINGS.get(config.model_type)
+    if kind != "none":
+        model = load_quantized(path, DTYPES[dtype], causal_lm_config(config), renames)
+        model.eval()
+        return model
     text = dict(config=causal_lm_config(config), key_mapping=renames) if renames else {}
     model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], output_loading_info=True, **text)
     missing = sorted(info.get("missing_keys") or [])
