@@ -84,7 +84,13 @@ def _int4_tiny(family: str, tmp_path) -> tuple[str, str]:
     return src, pack_checkpoint(src, str(tmp_path / f"{family}-int4"))
 
 
-QUANTIZED_TINY = {"fp8": _fp8_tiny, "int4": _int4_tiny}
+def _int4_linears_tiny(family: str, tmp_path) -> tuple[str, str]:
+    """Every linear packed too (a W4A16 export), in groups of 16: the tiny widths are multiples of 16."""
+    src = str(ensure_tiny(family))
+    return src, pack_checkpoint(src, str(tmp_path / f"{family}-w4a16"), group_size=16, linears=True)
+
+
+QUANTIZED_TINY = {"fp8": _fp8_tiny, "int4": _int4_tiny, "int4_linears": _int4_linears_tiny}
 
 
 def _dequantized_twin(quantized: torch.nn.Module, src: str) -> torch.nn.Module:
@@ -129,15 +135,17 @@ def test_an_fp8_checkpoint_loads_quantized_and_matches_transformers_own_dequanti
     assert fp8_bytes < 0.5 * ref_bytes  # the linears and experts take a byte a weight (plus scales), not four
 
 
-@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+@pytest.mark.parametrize("quantization", ["fp8", "int4", "int4_linears"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "deepseek_v3"])
 def test_longstraw_exact_on_a_quantized_base_equals_the_dequantized_base(family, quantization, tmp_path):
     """GQA, hybrid and MLA: logprobs, LoRA gradients (attention and factored experts, every layer) and the input
     gradient of one exact LongStraw update on the FP8 base (every linear and expert quantized) or the INT4 one (its
-    experts packed, as Kimi-K2.5 ships) equal those on the same weights dequantized to fp32."""
+    experts packed, as Kimi-K2.5 ships; or every linear packed too) equal those on the same weights dequantized to
+    fp32."""
     src, path = QUANTIZED_TINY[quantization](family, tmp_path)
     runs = {}
     quantized = load_model(path, "float32")
+    assert any(isinstance(m, PackedLinear) for m in quantized.modules()) == (quantization == "int4_linears")
     for label, base in (("reference", _dequantized_twin(quantized, src)), ("quantized", quantized)):
         model = add_lora(base, LoraConfig(), seed=0)
         with torch.no_grad():

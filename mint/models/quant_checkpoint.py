@@ -347,11 +347,15 @@ def quantize_checkpoint(src: str, dst: str, block: tuple[int, int] = (128, 128),
 KIMI_IGNORE = ("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*")
 
 
-def pack_checkpoint(src: str, dst: str, group_size: int = 32) -> str:
+def pack_checkpoint(src: str, dst: str, group_size: int = 32, linears: bool = False) -> str:
     """Write `src` (an unquantized checkpoint with per-expert weights) to `dst` as Kimi-K2.5 ships its experts:
     every routed expert projection compressed-tensors pack-quantized INT4 (symmetric, `group_size` inputs a scale),
-    written by compressed-tensors' own compressor; everything else as it is. config.json gains Kimi's
-    quantization_config. Atomic, as `quantize_checkpoint`. Returns dst."""
+    written by compressed-tensors' own compressor; everything else as it is. `linears`: every other nn.Linear weight
+    too except the `KEEP` modules, as a W4A16 export of a whole model does. config.json gains the matching
+    quantization_config (Kimi's, or one ignoring `KEEP`). Atomic, as `quantize_checkpoint`. Returns dst."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     qc = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
@@ -372,14 +376,20 @@ def pack_checkpoint(src: str, dst: str, group_size: int = 32) -> str:
                 "output_activations": None,
             }
         },
-        "ignore": list(KIMI_IGNORE),
+        "ignore": list(KEEP) if linears else list(KIMI_IGNORE),
         "kv_cache_scheme": None,
     }
     scheme = scheme_of(qc, dst)
+    packed = set()
+    if linears:
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
+        linear = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not any(k in n for k in KEEP)}
+        packed = {f"{n}.weight" for n in linear}
     tensors = {}
     for key, where in _tensors(src).items():
         t = _read(where)
-        if _PER_EXPERT.match(key):
+        if _PER_EXPERT.match(key) or key in packed:
             name = key.removesuffix(".weight")
             tensors.update((f"{name}.{k}", v) for k, v in compress(t, scheme).items())
         else:
