@@ -61,11 +61,11 @@ run: setup
 	$(BIN)/mint train recipes/smoke.toml
 
 # Two pytest workers (pytest-xdist) even on 2 cores: a serial run spends about a third of its time waiting on process
-# starts (Ray, DeepSpeed ranks, vLLM servers) with a core idle. tests/conftest.py groups each file's tests on one
-# worker (its module fixtures start once) except a few files of independent runs, and hands the longest work out
-# first; --no-loadscope-reorder keeps that order (xdist would sort by test count). docs/decisions.md.
+# starts (Ray, DeepSpeed ranks, vLLM servers) with a core idle. tests/scheduling.py (xdist's loadscope with its own
+# scopes) keeps each file's tests on one worker (its module fixtures start once) except a few files of independent
+# runs, and hands the longest work out first; --no-loadscope-reorder keeps that order. docs/decisions.md.
 TEST_WORKERS ?= 2
-XDIST   = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+XDIST   = -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 test: setup engines
 	$(BIN)/pytest -q $(XDIST) --durations=25

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from scheduling import pytest_collection_modifyitems, pytest_xdist_make_scheduler  # noqa: F401 (pytest's hooks)
 from transformers import AutoModelForCausalLM
 
 from mint.models.specs import tiny_config
@@ -16,46 +17,6 @@ from mint.models.specs import tiny_config
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
-
-
-# ---- scheduling on two pytest-xdist workers (`make test`: -n 2 --dist loadgroup --no-loadscope-reorder) ----------
-# A file is one work unit (its module fixtures, a vLLM server or a shared reference run, start once), except the
-# files in SPREAD, whose tests are independent runs handed out one by one. Units go out longest first, so the two
-# workers finish together instead of one running the 5-minute expert-parallel smoke run alone at the end. Seconds
-# as measured under `make test` on 2 cores (the durations table in CI's log); a unit not listed weighs nothing and
-# keeps its collection order.
-SPREAD = {"test_train_e2e.py", "test_golden.py"}
-TEST_SECONDS = {
-    "test_expert_parallel_smoke_run_learns_and_publishes_every_expert": 400,
-    "test_golden_run_matches_its_pinned_figures": 60,
-    "test_golden_figures_hold_under_other_cpu_kernels": 65,
-    "test_exact_run_equals_the_naive_run_step_by_step": 55,
-    "test_a_hybrid_base_trains_exactly_as_the_naive_step": 55,
-}
-FILE_SECONDS = {
-    "test_reliability.py": 650,
-    "test_vllm_real.py": 300,
-    "test_engines.py": 300,
-    "test_sharded_learner.py": 300,
-    "test_rollout_backends.py": 250,
-    "test_multinode.py": 200,
-    "test_workflow.py": 150,
-    "test_durability.py": 150,
-    "test_engine_conformance.py": 150,
-    "test_expert_parallel.py": 150,
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    def seconds(item) -> float:
-        if item.path.name in SPREAD:
-            return TEST_SECONDS.get(item.originalname, 30)
-        return FILE_SECONDS.get(item.path.name, 0)
-
-    for item in items:
-        if item.path.name not in SPREAD:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
-    items.sort(key=lambda item: -seconds(item))  # stable: within a weight, collection order
 
 
 def build_random_tiny(family: str, directory: str, vocab_size: int = 97, seed: int = 0, init_std: float = 0.05) -> str:
