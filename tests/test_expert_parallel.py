@@ -384,19 +384,20 @@ def _load_rank(rank, world, path, reference_path):
     return read
 
 
-def _load_fp8_rank(rank, world, path):
+def _load_quantized_rank(rank, world, path):
     from mint.config import LoraConfig
     from mint.models.expert_parallel import load_expert_parallel, shard_experts
     from mint.models.lora import add_lora
     from mint.models.quant import FP8, Fp8Linear
+    from mint.models.quant_int4 import PackedLinear
     from mint.models.specs import load_model
 
     model, read = load_expert_parallel(path, None, LoraConfig(), seed=0)
-    reference = add_lora(load_model(path), LoraConfig(), seed=0)  # the whole FP8 base, then cut to this rank
+    reference = add_lora(load_model(path), LoraConfig(), seed=0)  # the whole quantized base, then cut to this rank
     shard_experts(reference, None)
     got, want = model.state_dict(), reference.state_dict()
-    assert got.keys() == want.keys() and any(t.dtype == FP8 for t in got.values())
-    assert any(isinstance(m, Fp8Linear) for m in model.modules())
+    assert got.keys() == want.keys() and any(t.dtype in (FP8, torch.int32) for t in got.values())
+    assert any(isinstance(m, Fp8Linear | PackedLinear) for m in model.modules())
     for key in want:
         a, b = got[key], want[key]
         assert a.dtype == b.dtype and a.shape == b.shape, key
@@ -407,13 +408,18 @@ def _load_fp8_rank(rank, world, path):
     return read
 
 
-def test_load_of_an_fp8_checkpoint_keeps_its_bytes_and_reads_only_local_experts(tmp_path, tiny_path):
-    """Expert parallel on an FP8 checkpoint (16 x 16 blocks): each of 2 ranks reads half the experts' FP8 bytes and
-    scales, and holds what sharding the whole FP8 base gives, byte for byte, with the same logits."""
-    from mint.models.quant_checkpoint import quantize_checkpoint
+@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+def test_load_of_a_quantized_checkpoint_keeps_its_bytes_and_reads_only_local_experts(tmp_path, tiny_path, quantization):
+    """Expert parallel on an FP8 checkpoint (16 x 16 blocks) or an INT4 one (every linear and expert packed, groups
+    of 16): each of 2 ranks reads half the experts' quantized bytes and scales, and holds what sharding the whole
+    quantized base gives, byte for byte, with the same logits."""
+    from mint.models.quant_checkpoint import pack_checkpoint, quantize_checkpoint
 
-    path = quantize_checkpoint(tiny_path, str(tmp_path / "fp8"), (16, 16))
-    for read in run_ranks(tmp_path, 2, _load_fp8_rank, path):
+    if quantization == "fp8":
+        path = quantize_checkpoint(tiny_path, str(tmp_path / "fp8"), (16, 16))
+    else:
+        path = pack_checkpoint(tiny_path, str(tmp_path / "int4"), group_size=16, linears=True)
+    for read in run_ranks(tmp_path, 2, _load_quantized_rank, path):
         assert read["experts"] * 2 == read["experts_total"], read
 
 

@@ -160,14 +160,6 @@ def test_model_quantization_int4_must_match_the_checkpoint_in_one_line(int4_qwen
         preflight(load_config("recipes/smoke.toml", overrides))
 
 
-def test_expert_parallel_refuses_an_int4_base_in_one_line(int4_qwen):
-    from mint.config import LoraConfig
-    from mint.models.expert_parallel import load_expert_parallel
-
-    with pytest.raises(ConfigError, match=r"^learner.expert_parallel: .* is an INT4 .*expert_parallel = 1$"):
-        load_expert_parallel(int4_qwen[1], None, LoraConfig(), seed=0)
-
-
 @pytest.mark.slow
 def test_an_int4_tiny_base_learns_the_smoke_task(int4_qwen, tmp_path):
     """The smoke recipe on tiny:qwen3_moe with its experts pack-quantized INT4, learner and built-in rollout engine

@@ -29,13 +29,10 @@ the dense weights are read whole, the routed experts' rows only for this rank (s
 
 from __future__ import annotations
 
-import json
-import re
 import types
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -47,6 +44,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from longstraw.expert_parallel import combine, dispatch
 from mint.config import LoraConfig
 from mint.errors import ConfigError
+from mint.models.checkpoint_reader import CheckpointReader, PackedRows
 from mint.models.expert_lora import (
     DOWN,
     GATE_UP,
@@ -60,7 +58,8 @@ from mint.models.expert_lora import (
     expert_wrappers,
 )
 from mint.models.lora import add_lora, load_lora_state
-from mint.models.quant import SCALE_SUFFIX, ExpertWeight, Fp8Linear, block_of, is_quantized_experts, quantize_experts
+from mint.models.quant import SCALE_SUFFIX, ExpertWeight, is_quantized_experts, quantize_experts
+from mint.models.quant_int4 import pack_experts, scheme_of
 from mint.models.specs import DTYPES
 
 # load_slice(experts_module, parameter_name, lo, hi) -> the base parameter's rows lo:hi (e.g. read from a checkpoint)
@@ -102,10 +101,18 @@ def shard_experts(peft_model: nn.Module, group: dist.ProcessGroup | None, load_s
             raise ConfigError(f"expert parallel: {name} has {E} experts, not a multiple of the EP group size {size}")
         shard = ExpertShard(group, rank, size, E, E // size)
         lo, hi = shard.first, shard.first + shard.per_rank
+        # One expert's logical [O, I] (an INT4 module's packed words have another shape), before any is replaced.
+        per_expert = {pname: ExpertWeight(experts, pname).shape[1:] for pname in (GATE_UP, DOWN)}
         for pname in (GATE_UP, DOWN):
             full = getattr(experts, pname)
-            local, scale, block = _local_rows(experts, pname, lo, hi, load_slice)
-            want = (shard.per_rank, *full.shape[1:])
+            want = (shard.per_rank, *per_expert[pname])
+            local = _local_rows(experts, pname, lo, hi, load_slice)
+            if isinstance(local, PackedRows):  # INT4 rows and their group scales (mint.models.quant_int4)
+                if (local.packed.shape[0], *local.shape) != want:
+                    raise ConfigError(f"expert parallel: {name}.{pname}: got {local.shape} experts, want {want}")
+                pack_experts(experts, {pname: (local.packed, local.scale)}, {pname: local.shape}, local.scheme)
+                continue
+            local, scale, block = local
             if tuple(local.shape) != want:
                 raise ConfigError(f"expert parallel: {name}.{pname}: got {tuple(local.shape)} rows, want {want}")
             if scale is not None:  # FP8 rows and their block scales (mint.models.quant)
@@ -123,14 +130,18 @@ def shard_experts(peft_model: nn.Module, group: dist.ProcessGroup | None, load_s
 
 
 def _local_rows(experts: nn.Module, pname: str, lo: int, hi: int, load_slice: SliceLoader | None):
-    """(rows lo:hi of the base parameter, their FP8 block scales or None, the block size or None): read by
-    `load_slice` (which returns a (rows, scales, block) triple for an FP8 checkpoint) or cut from the resident ones."""
+    """(rows lo:hi of the base parameter, their FP8 block scales or None, the block size or None), or PackedRows for
+    INT4 experts: read by `load_slice` (which returns such a triple for an FP8 checkpoint, PackedRows for an INT4
+    one) or cut from the resident ones."""
     if load_slice is not None:
         local = load_slice(experts, pname, lo, hi)
-        return local if isinstance(local, tuple) else (local, None, None)
+        return local if isinstance(local, tuple | PackedRows) else (local, None, None)
     rows = getattr(experts, pname).detach()[lo:hi].clone()
     if not is_quantized_experts(experts):
         return rows, None, None
+    if hasattr(experts, "packed_scheme"):
+        scale = getattr(experts, pname + "_scale")[lo:hi].clone()
+        return PackedRows(rows, scale, experts.packed_shapes[pname], experts.packed_scheme)
     return rows, getattr(experts, pname + SCALE_SUFFIX)[lo:hi].clone(), experts.fp8_block
 
 
@@ -332,13 +343,6 @@ def expert_bytes(model: nn.Module) -> dict[str, int]:
 
 # ---- loading only the local experts ---------------------------------------------------------------------------------
 
-# An expert's weight, or (FP8 checkpoints) its block scales.
-_PER_EXPERT = re.compile(
-    r"^(?P<module>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight(?:_scale_inv)?$"
-)
-_FUSED = re.compile(rf"^(?P<module>.+\.experts)\.(?P<proj>{GATE_UP}|{DOWN})$")
-_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1}
-
 
 def load_expert_parallel(
     path: str, group: dist.ProcessGroup | None, lora: LoraConfig, seed: int, dtype: str = "float32"
@@ -353,19 +357,19 @@ def load_expert_parallel(
     = cat(gate, up) as transformers fuses them) or fused stacks (`experts.gate_up_proj` [E, 2I, H], read as rows
     lo:hi). Checkpoint keys other than the experts must be the model's own parameter names. An FP8 checkpoint
     (mint.models.quant) stays FP8: its quantized linears become Fp8Linear, and each rank's experts are its FP8 rows
-    and block scales (per-expert keys only).
+    and block scales (per-expert keys only); an INT4 one (mint.models.quant_int4) stays packed the same way.
     """
-    from mint.models.quant_checkpoint import checkpoint_quantization
+    from mint.models.quant_checkpoint import checkpoint_quantization, quantization_config
 
     torch_dtype = DTYPES[dtype]
     config = AutoConfig.from_pretrained(path)
-    block = None
+    block = scheme = None
     kind = checkpoint_quantization(path)
-    if kind == "int4":
-        raise ConfigError(f"learner.expert_parallel: {path} is an INT4 (pack-quantized) checkpoint; expert parallel "
-                          f"reads FP8 and unquantized ones, so run INT4 bases with expert_parallel = 1")  # fmt: skip
     if kind == "fp8":  # kept FP8, as load_model keeps it (mint.models.quant)
         block = tuple(config.quantization_config["weight_block_size"])
+    if kind == "int4":  # kept packed (mint.models.quant_int4)
+        scheme = scheme_of(quantization_config(path), path)
+    if hasattr(config, "quantization_config"):
         del config.quantization_config
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
@@ -378,8 +382,8 @@ def load_expert_parallel(
                 placeholder = torch.zeros((), dtype=torch_dtype).expand(w.shape)
                 setattr(module, pname, nn.Parameter(placeholder, requires_grad=False))
     with ExitStack() as stack:
-        reader = _CheckpointReader(path, stack, torch_dtype, block)
-        reader.fp8_linears(model)
+        reader = CheckpointReader(path, stack, torch_dtype, block, scheme)
+        reader.quantized_linears(model)
         dense = reader.dense_state()
         result = model.load_state_dict(dense, strict=False, assign=True)
         expert_keys = {f"{n}.{p}" for n in experts_names.values() for p in (GATE_UP, DOWN)}
@@ -405,84 +409,3 @@ def load_expert_parallel(
         "experts_total": reader.expert_bytes_total,
         "dense": reader.dense_bytes_read,
     }
-
-
-class _CheckpointReader:
-    """The safetensors files of a checkpoint, open for the loader's duration; counts the bytes it reads."""
-
-    def __init__(self, path: str, stack: ExitStack, dtype: torch.dtype, block: tuple[int, int] | None = None):
-        from safetensors import safe_open
-
-        root = Path(path)
-        index = root / "model.safetensors.index.json"
-        files = (
-            sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            if index.exists()
-            else ["model.safetensors"]
-        )
-        self.dtype, self.block = dtype, block
-        self.taken: set[str] = set()  # keys read already (an FP8 linear's weight, scales and bias)
-        self.handles = {}
-        for file in files:
-            handle = stack.enter_context(safe_open(str(root / file), framework="pt"))
-            keys = handle.keys()
-            self.handles.update(dict.fromkeys(keys, handle))
-        self.expert_bytes_read = self.dense_bytes_read = 0
-        self.expert_bytes_total = sum(self._nbytes(k) for k in self.handles if _is_expert_key(k))
-
-    def _nbytes(self, key: str) -> int:
-        s = self.handles[key].get_slice(key)
-        return _ITEMSIZE[s.get_dtype()] * int(torch.Size(s.get_shape()).numel())
-
-    def fp8_linears(self, model: nn.Module) -> None:
-        """Every linear the checkpoint quantizes (its `weight_scale_inv`) becomes an Fp8Linear over its bytes."""
-        for key in [k for k in self.handles if k.endswith(".weight" + SCALE_SUFFIX) and not _is_expert_key(k)]:
-            name = key.removesuffix(".weight" + SCALE_SUFFIX)
-            parent, _, attr = name.rpartition(".")
-            q, scale = self._raw(f"{name}.weight"), self._raw(key)
-            bias = self._raw(f"{name}.bias") if f"{name}.bias" in self.handles else None
-            linear = Fp8Linear(q, scale, self.block, bias, self.dtype)
-            setattr(model.get_submodule(parent) if parent else model, attr, linear)
-            self.taken.update({key, f"{name}.weight", f"{name}.bias"})
-
-    def _raw(self, key: str) -> torch.Tensor:
-        self.dense_bytes_read += self._nbytes(key)
-        return self.handles[key].get_tensor(key)
-
-    def dense_state(self) -> dict[str, torch.Tensor]:
-        state = {}
-        for key, handle in self.handles.items():
-            if not _is_expert_key(key) and key not in self.taken:
-                state[key] = handle.get_tensor(key).to(self.dtype)
-                self.dense_bytes_read += self._nbytes(key)
-        return state
-
-    def expert_rows(self, module: str, pname: str, lo: int, hi: int) -> torch.Tensor:
-        """Rows lo:hi of `module`.`pname` in the model's fused layout, reading only those experts."""
-        fused = f"{module}.{pname}"
-        if fused in self.handles:
-            if self.block is not None:
-                raise ConfigError(f"expert parallel load: {fused}: fused FP8 expert stacks are not read; per expert")
-            return self._read(fused, slice(lo, hi))
-        projs = ("gate_proj", "up_proj") if pname == GATE_UP else ("down_proj",)
-
-        def stacked(suffix: str) -> torch.Tensor:
-            keys = [[f"{module}.{e}.{p}.weight{suffix}" for p in projs] for e in range(lo, hi)]
-            return torch.stack([torch.cat([self._read(k, slice(None)) for k in row]) for row in keys])
-
-        if self.block is None:
-            return stacked("")
-        q, scale = stacked(""), stacked(SCALE_SUFFIX)
-        return q, scale, block_of(q, scale, self.block)  # refuses gate rows that are not whole blocks
-
-    def _read(self, key: str, rows: slice) -> torch.Tensor:
-        if key not in self.handles:
-            raise ConfigError(f"expert parallel load: the checkpoint has no {key}")
-        tensor = self.handles[key].get_slice(key)[rows]
-        self.expert_bytes_read += tensor.numel() * tensor.element_size()
-        # FP8 bytes and their fp32 scales stay as they are (the experts compute on them); the rest takes the dtype.
-        return tensor if self.block is not None else tensor.to(self.dtype)
-
-
-def _is_expert_key(key: str) -> bool:
-    return bool(_PER_EXPERT.match(key) or _FUSED.match(key))

@@ -149,7 +149,8 @@ def pack_experts(
     for name, (packed, scale) in tensors.items():
         setattr(experts, name, nn.Parameter(packed, requires_grad=False))
         experts.register_buffer(name + "_scale", scale)
-    experts.packed_shapes = {name: tuple(int(n) for n in shape) for name, shape in shapes.items()}
+    known = getattr(experts, "packed_shapes", {})
+    experts.packed_shapes = {**known, **{name: tuple(int(n) for n in shape) for name, shape in shapes.items()}}
     experts.packed_scheme = scheme
 
 
