@@ -414,3 +414,24 @@ def test_the_fp8_recipes_fit_their_learner_gpus_at_131072_tokens_and_bf16_does_n
     quantized = counts["attention"] + counts["experts"] / 8 + counts["shared_dense"]
     assert fp8_bytes == pytest.approx(bf16 - quantized * (2 - 1 - 4 / 128**2))
     assert bf16 / fp8_bytes > 1.9
+
+
+def test_kimi_k25_fits_32_learner_gpus_with_int4_experts_and_not_in_bf16(capsys):
+    """Kimi-K2.5 (1.04T, MLA, 384 experts) on 32 H20 with EP = 32, P = 131,072, G = 8, R = 4,096 (the GLM-5 recipe's
+    layout, at Kimi's shape): with its experts INT4 as released the plan fits in exact and detached mode; in bf16 it
+    fits in neither. The base term counts the experts at half a byte plus a bf16 scale per 32, the rest in bf16."""
+    from mint.cli import main
+
+    args = ["--shape", "kimi_k25", "--gpu-memory", "96GB", "--prompt-len", "131072"]
+    recipe = "recipes/glm5_fp8_32xh20.toml"
+    for mode in ("exact", "detached"):
+        assert main(["plan", recipe, "model.quantization=int4", f"longstraw.mode={mode}", *args]) == 0
+        out = capsys.readouterr().out
+        assert "frozen base weights (INT4 experts + group scales)" in out and "INT4 dequantize transient" in out
+        assert main(["plan", recipe, "model.quantization=none", f"longstraw.mode={mode}", *args]) == 1
+        assert "P = 0" in capsys.readouterr().out
+    s = shape("kimi_k25")
+    counts = param_counts(s)
+    job = Job(prompt_len=131072, group=8, response_len=4096, expert_parallel=32)
+    bf16, int4 = weight_bytes(s, job), weight_bytes(s, dataclasses.replace(job, quantization="int4"))
+    assert int4 == pytest.approx(bf16 - counts["experts"] / 32 * (2 - 0.5 - 2 / 32))
