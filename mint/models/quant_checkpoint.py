@@ -131,7 +131,8 @@ def load_quantized(path: str, dtype: torch.dtype, config=None, renames: dict[str
     where = _tensors(path)
     if renames:
         where = {_renamed(k, renames): w for k, w in where.items()}
-    fmt = _Fp8(quantization_config(path), dtype) if kind == "fp8" else _Int4(scheme_of(quantization_config(path), path))
+    qc = quantization_config(path)
+    fmt = _Fp8(qc) if kind == "fp8" else _Int4(scheme_of(qc, path))
     modules = dict(model.named_modules())
     used: set[str] = set()
 
@@ -186,8 +187,8 @@ class _Fp8:
     marker = ".weight" + SCALE_SUFFIX
     suffixes = (".weight", ".weight" + SCALE_SUFFIX)
 
-    def __init__(self, qc: dict, dtype: torch.dtype):
-        self.block, self.dtype = tuple(qc["weight_block_size"]), dtype
+    def __init__(self, qc: dict):
+        self.block = tuple(qc["weight_block_size"])
 
     def linear(self, name: str, where, bias, dtype) -> nn.Module:
         q, scale = _read(where[f"{name}.weight"]), _read(where[f"{name}{self.marker}"])
@@ -195,7 +196,7 @@ class _Fp8:
             raise ConfigError(f"model.path: {name}.weight is {q.dtype}, not float8_e4m3fn")
         return Fp8Linear(q, scale, block_of(q, scale, self.block), bias, dtype)
 
-    def expert_row(self, key: str, where) -> tuple | None:
+    def expert_row(self, key: str, where) -> tuple:
         """(weight, scale or None) of one expert projection."""
         scale = where.get(key + SCALE_SUFFIX)
         return _read(where[key]), None if scale is None else _read(scale)
@@ -240,12 +241,9 @@ class _Int4:
 
     def expert_row(self, key: str, where) -> tuple:
         """(weight, None) of an unquantized projection, or (packed, scale, (O, I)) of a packed one."""
-        name = key.removesuffix(".weight")
         if key in where:
             return _read(where[key]), None
-        if f"{name}.weight_packed" not in where:
-            raise ConfigError(f"model.path: lacks {key} (or its weight_packed)")
-        return self._parts(name, where)
+        return self._parts(key.removesuffix(".weight"), where)
 
     def fuse(self, path, experts, name, rows_of: dict[str, list[list[tuple]]], dtype) -> None:
         packed = [len(part) == 3 for rows in rows_of.values() for row in rows for part in row]
