@@ -179,16 +179,20 @@ def test_longstraw_exact_on_a_quantized_base_equals_the_dequantized_base(family,
     torch.testing.assert_close(input_grad, want_input_grad, **TOL)
 
 
-def test_model_quantization_must_match_the_checkpoint_in_one_line(tmp_path):
-    src, path = _fp8_tiny("qwen3_moe", tmp_path)
-    assert resolve_quantization("auto", path) == "fp8" and resolve_quantization("auto", src) == "none"
+@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+def test_model_quantization_must_match_the_checkpoint_in_one_line(quantization, tmp_path):
+    src, path = QUANTIZED_TINY[quantization]("qwen3_moe", tmp_path)
+    kind, other = {"fp8": ("an FP8", "int4"), "int4": ("an INT4", "fp8")}[quantization]
+    assert resolve_quantization("auto", path) == quantization and resolve_quantization("auto", src) == "none"
     assert resolve_quantization("none", "tiny:qwen3_moe") == "none"
-    with pytest.raises(ConfigError, match=r"^model.quantization: none, but .* is an FP8 checkpoint; use auto or fp8$"):
+    refusal = rf"^model.quantization: none, but .* is {kind} checkpoint; use auto or {quantization}$"
+    with pytest.raises(ConfigError, match=refusal):
         load_model(path, "float32", "none")
-    with pytest.raises(ConfigError, match=r"^model.quantization: fp8, but .* is a plain checkpoint; use auto or none"):
-        load_model(src, "float32", "fp8")
-    overrides = [f"model.path={path}", "model.quantization=none", f"logging.root={tmp_path / 'runs'}"]
-    with pytest.raises(ConfigError, match=r"model\.quantization: none"):
+    refusal = rf"^model.quantization: {quantization}, but .* is a plain checkpoint; use auto or none"
+    with pytest.raises(ConfigError, match=refusal):
+        load_model(src, "float32", quantization)
+    overrides = [f"model.path={path}", f"model.quantization={other}", f"logging.root={tmp_path / 'runs'}"]
+    with pytest.raises(ConfigError, match=rf"model\.quantization: {other}, but .* is {kind} checkpoint"):
         preflight(load_config("recipes/smoke.toml", overrides))
     assert preflight(load_config("recipes/smoke.toml", [*overrides[:1], overrides[2]])).model_path == path
 

@@ -24,7 +24,6 @@ from mint.models.quant_checkpoint import checkpoint_quantization, pack_checkpoin
 from mint.models.quant_int4 import PackedLinear, PackedWeight, compress, decompress, scheme_of
 from mint.models.specs import load_model
 from mint.models.tiny import ensure_tiny
-from mint.train.preflight import preflight
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -145,19 +144,6 @@ def test_an_int4_scheme_mint_does_not_read_is_refused_in_one_line(int4_qwen, tmp
     with pytest.raises(ConfigError, match=message) as err:
         load_model(str(changed))
     assert "\n" not in str(err.value)
-
-
-def test_model_quantization_int4_must_match_the_checkpoint_in_one_line(int4_qwen, tmp_path):
-    src, path = int4_qwen
-    with pytest.raises(
-        ConfigError, match=r"^model.quantization: none, but .* is an INT4 checkpoint; use auto or int4$"
-    ):
-        load_model(path, "float32", "none")
-    with pytest.raises(ConfigError, match=r"^model.quantization: int4, but .* is a plain checkpoint; use auto or none"):
-        load_model(src, "float32", "int4")
-    overrides = [f"model.path={path}", "model.quantization=fp8", f"logging.root={tmp_path / 'runs'}"]
-    with pytest.raises(ConfigError, match=r"model\.quantization: fp8, but .* is an INT4 checkpoint"):
-        preflight(load_config("recipes/smoke.toml", overrides))
 
 
 @pytest.mark.slow
