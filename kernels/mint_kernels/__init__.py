@@ -42,11 +42,16 @@ here are torch and triton only. Callers use the functions below; nothing outside
         Plain torch on every device (no Triton kernel), blocked over query tokens; the selected prefix rows' gradient
         is scatter-added into dpage_acc when given. Saves nothing of size P for backward.
 
+    fp8_block_matmul(x, q, s, block, *, transpose=True, force=None) -> y
+        x [..., K] @ W^T with W = q (float8 e4m3 [O, K]) times its fp32 block scales s, dequantized tile by tile in
+        the GEMM (transpose=False: x [..., O] @ W, the dX of a frozen FP8 linear). No autograd of its own.
+
 Dispatch: CUDA tensors -> Triton, CPU tensors -> reference; force="triton" | "reference" overrides. See
 docs/kernels.md for the math, the tiling and how to test and benchmark.
 """
 
 from mint_kernels.expert_lora import expert_lora, expert_lora_reference
+from mint_kernels.fp8_matmul import fp8_block_matmul, fp8_block_matmul_reference
 from mint_kernels.fused_logprob import fused_logprob, fused_logprob_reference
 from mint_kernels.latent_attention import latent_prefix_attention, latent_prefix_attention_reference
 from mint_kernels.prefix_attention import prefix_attention, prefix_attention_reference
@@ -55,6 +60,8 @@ from mint_kernels.sparse_latent_attention import sparse_latent_attention
 __all__ = [
     "expert_lora",
     "expert_lora_reference",
+    "fp8_block_matmul",
+    "fp8_block_matmul_reference",
     "fused_logprob",
     "fused_logprob_reference",
     "latent_prefix_attention",
