@@ -129,6 +129,7 @@ def test_a_packed_linear_takes_lora_and_passes_the_input_gradient():
         ({"symmetric": False}, "symmetric"),
         ({"num_bits": 8}, "int8; Mint reads 4-bit"),
         ({"type": "float", "num_bits": 8}, "weight-only symmetric INT"),
+        ({"strategy": "channel", "group_size": None}, "symmetric INT groups"),
     ],
 )
 def test_an_int4_scheme_mint_does_not_read_is_refused_in_one_line(int4_qwen, tmp_path, weights, message):

@@ -96,7 +96,7 @@ class CheckpointReader:
                 self.dense_bytes_read += self._nbytes(key)
         return state
 
-    def expert_rows(self, module: str, pname: str, lo: int, hi: int) -> torch.Tensor:
+    def expert_rows(self, module: str, pname: str, lo: int, hi: int) -> torch.Tensor | tuple | PackedRows:
         """Rows lo:hi of `module`.`pname` in the model's fused layout, reading only those experts."""
         fused = f"{module}.{pname}"
         if fused in self.handles:

@@ -37,10 +37,10 @@ def scheme_of(quantization_config: dict, where: str):
         raise ConfigError(f"model.path: {where}: {len(weights)} weight schemes in its config groups; Mint reads one")
     scheme = schemes[0]
     w = scheme.weights
-    readable = w is not None and w.type == "int" and w.symmetric and w.strategy in ("group", "channel")
+    readable = w is not None and w.type == "int" and w.symmetric and w.strategy == "group"
     if not readable or scheme.input_activations is not None or w.actorder not in (None, "static"):
         raise ConfigError(f"model.path: {where}: compressed-tensors weights {w} with input activations "
-                          f"{scheme.input_activations}; Mint reads weight-only symmetric INT groups or channels "
+                          f"{scheme.input_activations}; Mint reads weight-only symmetric INT groups "
                           f"(W4A16)")  # fmt: skip
     return scheme
 
@@ -61,7 +61,7 @@ def compress(weight: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
 
     args = scheme.weights
     rows, cols = weight.shape
-    group = args.group_size if args.strategy == "group" else cols
+    group = args.group_size
     if cols % group:
         raise ConfigError(f"int4: {cols} inputs are not whole groups of {group}")
     w = weight.float().reshape(rows, cols // group, group)
@@ -101,10 +101,6 @@ class PackedWeight:
 
     def linear(self, x: torch.Tensor, e: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
         return _PackedMatmul.apply(x, self, e, bias)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 class PackedLinear(nn.Linear):
