@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import types
 from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -100,18 +101,19 @@ def _files(path: str) -> list[Path]:
     return files
 
 
-def _tensors(path: str) -> dict[str, tuple[Path, str]]:
-    """Every tensor's name -> (its file, its name)."""
+def _tensors(path: str, stack: ExitStack) -> dict[str, tuple[object, str]]:
+    """Every tensor's name -> (its file's handle, its name); each file is opened once and stays open until `stack`
+    closes (a released base has tens of shards and some 100k tensors: a safe_open per tensor would parse a shard's
+    header each time)."""
     where = {}
     for file in _files(path):
-        with safe_open(file, "pt") as f:
-            where.update((key, (file, key)) for key in f.keys())  # noqa: SIM118 (safe_open is not iterable)
+        f = stack.enter_context(safe_open(file, "pt"))
+        where.update((key, (f, key)) for key in f.keys())  # noqa: SIM118 (safe_open is not iterable)
     return where
 
 
-def _read(where: tuple[Path, str]) -> torch.Tensor:
-    with safe_open(where[0], "pt") as f:
-        return f.get_tensor(where[1])
+def _read(where: tuple[object, str]) -> torch.Tensor:
+    return where[0].get_tensor(where[1])
 
 
 def load_quantized(path: str, dtype: torch.dtype, config=None, renames: dict[str, str] | None = None) -> nn.Module:
@@ -128,40 +130,41 @@ def load_quantized(path: str, dtype: torch.dtype, config=None, renames: dict[str
         del config.quantization_config  # transformers' own paths dequantize on CPU and keep the copy
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    where = _tensors(path)
-    if renames:
-        where = {_renamed(k, renames): w for k, w in where.items()}
-    qc = quantization_config(path)
-    fmt = _Fp8(qc) if kind == "fp8" else _Int4(scheme_of(qc, path))
-    modules = dict(model.named_modules())
-    used: set[str] = set()
+    with ExitStack() as stack:
+        where = _tensors(path, stack)
+        if renames:
+            where = {_renamed(k, renames): w for k, w in where.items()}
+        qc = quantization_config(path)
+        fmt = _Fp8(qc) if kind == "fp8" else _Int4(scheme_of(qc, path))
+        modules = dict(model.named_modules())
+        used: set[str] = set()
 
-    experts: dict[str, dict[str, dict[int, str]]] = defaultdict(lambda: defaultdict(dict))
-    for key in where:
-        m = _PER_EXPERT.match(key)
-        if m:
-            experts[m["module"]][m["proj"]][int(m["e"])] = key.removesuffix("_packed")
-    for name, projs in experts.items():
-        keys = [k.removesuffix(".weight") for per in projs.values() for k in per.values()]
-        _load_experts(path, modules.get(name), name, projs, where, fmt, dtype)
-        used.update(k + suffix for k in keys for suffix in fmt.suffixes)
+        experts: dict[str, dict[str, dict[int, str]]] = defaultdict(lambda: defaultdict(dict))
+        for key in where:
+            m = _PER_EXPERT.match(key)
+            if m:
+                experts[m["module"]][m["proj"]][int(m["e"])] = key.removesuffix("_packed")
+        for name, projs in experts.items():
+            keys = [k.removesuffix(".weight") for per in projs.values() for k in per.values()]
+            _load_experts(path, modules.get(name), name, projs, where, fmt, dtype)
+            used.update(k + suffix for k in keys for suffix in fmt.suffixes)
 
-    for key in where:
-        if not key.endswith(fmt.marker) or key in used:
-            continue
-        name = key.removesuffix(fmt.marker)
-        linear = modules.get(name)
-        if not isinstance(linear, nn.Linear):
-            raise ConfigError(
-                f"model.path: {path}: {key} quantizes a weight of no linear module of {type(model).__name__}"
-            )
-        bias = _read(where[f"{name}.bias"]) if f"{name}.bias" in where else None
-        parent, _, attr = name.rpartition(".")
-        setattr(modules[parent] if parent else model, attr, fmt.linear(name, where, bias, dtype))
-        used.update(f"{name}{suffix}" for suffix in (*fmt.suffixes, ".bias"))
+        for key in where:
+            if not key.endswith(fmt.marker) or key in used:
+                continue
+            name = key.removesuffix(fmt.marker)
+            linear = modules.get(name)
+            if not isinstance(linear, nn.Linear):
+                raise ConfigError(
+                    f"model.path: {path}: {key} quantizes a weight of no linear module of {type(model).__name__}"
+                )
+            bias = _read(where[f"{name}.bias"]) if f"{name}.bias" in where else None
+            parent, _, attr = name.rpartition(".")
+            setattr(modules[parent] if parent else model, attr, fmt.linear(name, where, bias, dtype))
+            used.update(f"{name}{suffix}" for suffix in (*fmt.suffixes, ".bias"))
 
-    rest = {k: _as(_read(w), dtype) for k, w in where.items() if k not in used}
-    result = model.load_state_dict(rest, strict=False, assign=True)
+        rest = {k: _as(_read(w), dtype) for k, w in where.items() if k not in used}
+        result = model.load_state_dict(rest, strict=False, assign=True)
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     unexpected = [k for k in result.unexpected_keys if not any(p.search(k) for p in ignored)]
     if unexpected and not renames:  # a VLM's vision weights are not read
@@ -322,15 +325,16 @@ def quantize_checkpoint(src: str, dst: str, block: tuple[int, int] = (128, 128),
         model = AutoModelForCausalLM.from_config(config)
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     tensors = {}
-    for key, where in _tensors(src).items():
-        t = _read(where)
-        module = key.removesuffix(".weight")
-        kept = any(k in module for k in keep)
-        if key.endswith(".weight") and not kept and (module in linears or _PER_EXPERT.match(key)):
-            q, scale = quantize_fp8(t, block)
-            tensors[key], tensors[f"{module}.weight{SCALE_SUFFIX}"] = q, scale
-        else:
-            tensors[key] = t.contiguous()
+    with ExitStack() as stack:
+        for key, where in _tensors(src, stack).items():
+            t = _read(where)
+            module = key.removesuffix(".weight")
+            kept = any(k in module for k in keep)
+            if key.endswith(".weight") and not kept and (module in linears or _PER_EXPERT.match(key)):
+                q, scale = quantize_fp8(t, block)
+                tensors[key], tensors[f"{module}.weight{SCALE_SUFFIX}"] = q, scale
+            else:
+                tensors[key] = t.contiguous()
     qc = {
         "quant_method": "fp8",
         "fmt": "e4m3",
@@ -385,13 +389,14 @@ def pack_checkpoint(src: str, dst: str, group_size: int = 32, linears: bool = Fa
         linear = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not any(k in n for k in KEEP)}
         packed = {f"{n}.weight" for n in linear}
     tensors = {}
-    for key, where in _tensors(src).items():
-        t = _read(where)
-        if _PER_EXPERT.match(key) or key in packed:
-            name = key.removesuffix(".weight")
-            tensors.update((f"{name}.{k}", v) for k, v in compress(t, scheme).items())
-        else:
-            tensors[key] = t.contiguous()
+    with ExitStack() as stack:
+        for key, where in _tensors(src, stack).items():
+            t = _read(where)
+            if _PER_EXPERT.match(key) or key in packed:
+                name = key.removesuffix(".weight")
+                tensors.update((f"{name}.{k}", v) for k, v in compress(t, scheme).items())
+            else:
+                tensors[key] = t.contiguous()
     return _write(src, dst, tensors, qc)
 
 
