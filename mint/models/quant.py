@@ -90,20 +90,16 @@ class _DequantLinear(torch.autograd.Function):
     def forward(ctx, x, q, scale, bias, block):
         ctx.save_for_backward(q, scale)
         ctx.block = block
-        if x.is_cuda:  # the Triton dequant-GEMM: W is dequantized tile by tile, never whole
-            y = mint_kernels.fp8_block_matmul(x, q, scale, block)
-            return y if bias is None else y + bias
-        return F.linear(x, dequantize_fp8(q, scale, block, x.dtype), bias)
+        # mint_kernels dispatches: the Triton dequant-GEMM on CUDA (W never whole), W dequantized per call on CPU.
+        y = mint_kernels.fp8_block_matmul(x, q, scale, block)
+        return y if bias is None else y + bias
 
     @staticmethod
     def backward(ctx, grad_out):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
         q, scale = ctx.saved_tensors
-        if grad_out.is_cuda:
-            grad_x = mint_kernels.fp8_block_matmul(grad_out, q, scale, ctx.block, transpose=False)
-        else:
-            grad_x = grad_out @ dequantize_fp8(q, scale, ctx.block, grad_out.dtype)
+        grad_x = mint_kernels.fp8_block_matmul(grad_out, q, scale, ctx.block, transpose=False)
         return grad_x, None, None, None, None
 
 
