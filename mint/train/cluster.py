@@ -14,13 +14,16 @@ watchdog that notices a node leaving.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
+import psutil
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
@@ -42,26 +45,77 @@ NODE_POLL_S = 1.0
 # GCS restart takes, and a run whose GCS stays away that long fails its next call anyway.
 NODE_POLL_MAX_S = 16.0
 NODE_POLL_FAILURES = 10
+# How long a local Ray's processes get to exit after ray.shutdown() before they are killed: an actor that was just
+# killed may still be running its exit path (DeepSpeed's and gloo's threads) when the raylet goes.
+RAY_EXIT_WAIT_S = 15.0
 
 
 class NodeLost(MintError):
     """A node left the cluster with actors of this run on it; they restart from the latest checkpoint elsewhere."""
 
 
-def start_ray(config: Config) -> bool:
-    """Join `ray.address`, or start a local Ray sized for the run's bundles; True when this run started it."""
+def start_ray(config: Config) -> LocalRay | None:
+    """Join `ray.address`, or start a local Ray sized for the run's bundles (returned: the caller stops it)."""
     if ray.is_initialized():
-        return False
+        return None
     r = config.ray
     if r.address:
         connect(r.address)
-        return False
+        return None
     n_bundles = config.learner.num_ranks * r.learner_cpus + config.rollout.num_actors * r.rollout_cpus
     # A local cluster gets at least one logical CPU per bundle: tiny actors share 2 cores fine.
     local_cpus = max(os.cpu_count() or 1, math.ceil(n_bundles))
+    local = LocalRay(_descendants())
     # Actor logs stay in Ray's session folder: the driver's stdout ends with one JSON line, nothing after it.
     ray.init(include_dashboard=False, log_to_driver=False, num_cpus=local_cpus)
-    return True
+    return local
+
+
+@dataclass
+class LocalRay:
+    """A Ray this process started. `before`: the ids of the processes this one had started before it (a test's
+    server, say), which are not Ray's to stop."""
+
+    before: set[int]
+
+    def stop(self) -> None:
+        """Shut Ray down and wait until every process it started has exited.
+
+        ray.shutdown() sends the raylet SIGTERM and, one second later, SIGKILL; the raylet stops its workers only on
+        the graceful path. On a loaded machine the second can pass first, and the orphaned workers exit only when
+        they notice their raylet is gone: a Ctrl-C'd `mint train` returned to the shell with a learner rank still
+        alive. So Ray's processes are listed before the shutdown and waited for after it; one still alive after
+        RAY_EXIT_WAIT_S is killed."""
+        ours = [p for p in psutil.Process().children(recursive=True) if p.pid not in self.before]
+        if ray.is_initialized():
+            ray.shutdown()
+        alive = _wait_gone(ours, RAY_EXIT_WAIT_S)
+        for proc in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        _wait_gone(alive, RAY_EXIT_WAIT_S)
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until none of `procs` runs; returns those still running after `timeout`. A zombie counts as gone: once
+    the raylet has exited, its workers are reaped by whoever adopts them, which in a container may be never."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in procs if _running(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 @dataclass

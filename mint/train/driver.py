@@ -102,19 +102,21 @@ def train(config: Config, resume: bool = False, checked: Preflight | None = None
     model_path = driver_model_path(config.model.path)  # a tiny base built here, shipped to the nodes later
     out = open_run_dir(config, resume)
     init_lora = warm_start(config) if not resume else None
-    started = False
+    local = None
     # A run that joined a cluster (ray.address) leaves it too: Ray's error listener would otherwise print the
     # cluster's late warnings (a lost node's retried calls) to stdout after the summary line.
     joined = not ray.is_initialized() and bool(config.ray.address)
     with Interrupt() as interrupt:
         try:
-            started = start_ray(config)
+            local = start_ray(config)
             wire.register()  # the step's tensors cross Ray as numpy buffers (mint.train.wire)
-            run = Run(config, out, model_path, init_lora, started, interrupt, t_start)
+            run = Run(config, out, model_path, init_lora, local is not None, interrupt, t_start)
             return _with_restarts(run)
-        finally:
-            if (started or joined) and ray.is_initialized():
-                ray.shutdown()  # the processes this run started go with it: normal end, error or Ctrl-C
+        finally:  # the processes this run started go with it: normal end, error or Ctrl-C
+            if local is not None:
+                local.stop()
+            elif joined and ray.is_initialized():
+                ray.shutdown()
 
 
 def _with_restarts(run: Run) -> dict:
