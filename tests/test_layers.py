@@ -25,6 +25,7 @@ LAYERS = [
     "mint.serve",
     "mint.hub",
     "mint.rollout",
+    "mint.envs",  # environments and tools: the rollout side runs episodes; no Ray, no torch
     "mint.models",
     "mint.rl",
     "mint.config",
@@ -144,6 +145,22 @@ def test_kernels_import_torch_and_triton_only():
             top = name.split(".")[0]
             if top not in KERNELS_MAY_IMPORT:
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, bad
+
+
+ENVS_MAY_NOT_IMPORT = {"torch", "ray", "deepspeed", "transformers", "triton"}
+
+
+def test_environments_need_no_torch_and_no_ray():
+    """mint.envs runs wherever episodes do (a rollout actor, a sandbox host, a user's laptop): its environments
+    take token ids and a tokenizer object, never a model or a cluster."""
+    bad = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path, module in _sources()
+        if module == "mint.envs" or module.startswith("mint.envs.")
+        for name in _imports(path)
+        if name.split(".")[0] in ENVS_MAY_NOT_IMPORT
+    ]
     assert not bad, bad
 
 

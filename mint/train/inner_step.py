@@ -50,10 +50,26 @@ class GroupBatch:
     routes: list[torch.Tensor | None] | None = None  # G x [R_i, L, k]; row j = the position that produced token j
     # DSA indexer replay: the rollout's selections, G x [R_i, indexer layers, index_topk] (None when not recorded).
     indexer: list[torch.Tensor | None] | None = None
+    # Multi-turn episodes (mint.envs.episode): G x bool [R_i], True on the tokens that carry loss (sampled by the
+    # policy), False on observation tokens, which are replayed as context only. None: every token was sampled.
+    loss_masks: list[torch.Tensor] | None = None
 
     @property
     def lengths(self) -> list[int]:
         return [len(r) for r in self.responses]
+
+    @property
+    def loss_lengths(self) -> list[int]:
+        """Tokens carrying loss per response: what the aggregation counts (token-mean, seq-mean, Dr. GRPO)."""
+        if self.loss_masks is None:
+            return self.lengths
+        return [int(m.sum()) for m in self.loss_masks]
+
+    def loss_mask(self, i: int) -> torch.Tensor:
+        """bool [R_i]: response i's tokens that carry loss."""
+        if self.loss_masks is None:
+            return torch.ones(len(self.responses[i]), dtype=torch.bool)
+        return self.loss_masks[i].bool()
 
 
 @dataclass(frozen=True)
@@ -200,7 +216,7 @@ class GroupObjective:
     def __init__(self, ctx: StepContext, group: GroupBatch, plan: StepPlan, route_status_G: list[torch.Tensor]):
         self.ctx, self.group = ctx, group
         self.route_status_G = route_status_G
-        lengths = group.lengths
+        lengths = group.loss_lengths  # observation tokens are context, not counted
         self.weights_G = token_weights(lengths, ctx.spec, plan.total_tokens, plan.total_seqs)
         self.sums = dict(loss=0.0, kl=0.0, clipped=0.0, tokens=float(sum(lengths)), seqs=float(len(lengths)))
         self.trust = TrustCounts()
@@ -211,10 +227,16 @@ class GroupObjective:
         device = logp_R.device
         old_R = old[i].to(device) if old is not None else logp_R.detach()
         rollout_R = group.rollout_logprobs[i].to(device)
-        ratio_status = icepop_status(old_R, rollout_R, grpo.icepop_alpha, grpo.icepop_beta) if grpo.icepop else None
+        # The trust mask judges sampled tokens only (S of them): an observation token has no rollout logprob to
+        # compare with and is never counted as masked; it carries no loss either way.
+        sampled_R = group.loss_mask(i).to(device)
+        old_S, rollout_S = old_R[sampled_R], rollout_R[sampled_R]
+        ratio_status = icepop_status(old_S, rollout_S, grpo.icepop_alpha, grpo.icepop_beta) if grpo.icepop else None
         status_R = self.route_status_G[i] if grpo.r3 else torch.zeros_like(self.route_status_G[i])
-        mask_R, counts = trust_mask(status_R.to(device), ratio_status, old_R, rollout_R)
+        mask_S, counts = trust_mask(status_R.to(device)[sampled_R], ratio_status, old_S, rollout_S)
         self.trust.add(counts)
+        mask_R = torch.zeros_like(sampled_R)
+        mask_R[sampled_R] = mask_S.bool()
         if native_R_L_K is not None:
             self.count_out_of_route(i, native_R_L_K)
         adv_R = group.adv_G[i].to(device).expand_as(logp_R)

@@ -170,7 +170,7 @@ def plan_step(
     if context_parallel > 1:
         plans = plan_step(groups, data_parallel_size(world_size, context_parallel), step)
         return replicate_plans(plans, world_size, context_parallel, expert_parallel)
-    tokens = [sum(len(r) for r in g.responses) for g in groups]
+    tokens = [sum(g.loss_lengths) for g in groups]  # the tokens that carry loss: the aggregation's count
     loads = [0] * world_size
     assigned: list[list[GroupBatch]] = [[] for _ in range(world_size)]
     for i in sorted(range(len(groups)), key=lambda i: -tokens[i]):

@@ -1,0 +1,120 @@
+"""The built-in engine as an episode policy (mint.envs.episode.Policy): the actions of concurrent episodes are
+sampled in one decode batch.
+
+Episodes ask for actions at different moments: one waits on a tool while another is ready. `EnginePolicy` collects
+the requests that arrive together and hands them to `RolloutEngine.generate_groups` as one batch (one group of one
+row per episode): it runs once every live episode is waiting, or `window_s` after the first request of a batch, so a
+slow tool holds the others back by at most that long.
+
+This policy prefills each request's whole context, every turn: the engine keeps no state between calls. Keeping an
+episode's K/V across turns and prefilling only the new observation is the engine's next step; until then the
+episode's record is the same either way (the sampled ids, their logprobs, each turn's revision), only slower.
+
+Sampling is deterministic for a fixed seed and arrival order: episode n (in the order of their first request) draws
+from a generator seeded with `group_seed(seed, n)`, which lives as long as the episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from mint.envs.env import StopCondition, Tokens
+from mint.envs.episode import Sample
+from mint.rollout._sampling import SamplingParams, group_seed
+from mint.rollout.engine import RolloutEngine
+
+
+@dataclass
+class _Request:
+    key: Hashable
+    context: Tokens
+    stop: StopCondition
+    done: asyncio.Future
+
+
+class EnginePolicy:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        revision: str,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        window_s: float = 0.005,
+    ):
+        self.engine = engine
+        self.revision = revision
+        self.temperature, self.top_p = temperature, top_p
+        self.seed = seed
+        self.window_s = window_s
+        self._generators: dict[Hashable, torch.Generator] = {}
+        self._started = 0
+        self._pending: list[_Request] = []
+        self._flush: asyncio.TimerHandle | None = None
+        self.batches = 0  # decode batches run (a test reads how many requests shared one)
+
+    async def sample(self, key: Hashable, context: Tokens, stop: StopCondition) -> Sample:
+        if key not in self._generators:
+            generator = torch.Generator(device=self.engine.device)
+            generator.manual_seed(group_seed(self.seed, self._started))
+            self._generators[key] = generator
+            self._started += 1
+        loop = asyncio.get_running_loop()
+        request = _Request(key, list(context), stop, loop.create_future())
+        self._pending.append(request)
+        # Checked once the tasks already scheduled have run: the episodes of a group started together all reach
+        # their first sample() before it, and so go out in one batch.
+        loop.call_soon(self._run_if_all_wait)
+        if self._flush is None:
+            self._flush = loop.call_later(self.window_s, self._run_pending)
+        return await request.done
+
+    async def release(self, key: Hashable) -> None:
+        self._generators.pop(key, None)
+        asyncio.get_running_loop().call_soon(self._run_if_all_wait)
+
+    def _run_if_all_wait(self) -> None:
+        if self._pending and len(self._pending) == len(self._generators):  # no live episode is left to wait for
+            self._run_pending()
+
+    def _run_pending(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        batch, self._pending = self._pending, []
+        if not batch:
+            return
+        try:
+            samples = self._decode(batch)
+        except Exception as err:  # every waiting episode sees the engine's error
+            for request in batch:
+                request.done.set_exception(err)
+            return
+        for request, sample in zip(batch, samples, strict=True):
+            request.done.set_result(sample)
+
+    def _decode(self, batch: list[_Request]) -> list[Sample]:
+        """One decode batch per distinct stop condition (the engine takes one SamplingParams per call)."""
+        self.batches += 1
+        samples: list[Sample | None] = [None] * len(batch)
+        by_stop: dict[StopCondition, list[int]] = {}
+        for i, request in enumerate(batch):
+            by_stop.setdefault(request.stop, []).append(i)
+        for stop, rows in by_stop.items():
+            params = SamplingParams(self.temperature, self.top_p, stop.max_tokens, stop.stop_tokens)
+            groups = self.engine.generate_groups(
+                [batch[i].context for i in rows], 1, params, [self._generators[batch[i].key] for i in rows]
+            )
+            for i, group in zip(rows, groups, strict=True):
+                (completion,) = group.completions
+                samples[i] = Sample(
+                    tokens=completion.tokens_R.tolist(),
+                    logprobs=completion.logprobs_R.tolist(),
+                    revision=self.revision,
+                    finish_reason=completion.finish_reason,
+                )
+        return samples
