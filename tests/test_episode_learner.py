@@ -141,3 +141,52 @@ def test_r3_replays_the_recorded_routes_on_observation_positions(random_qwen3_pa
         assert (after[i][first:] - base[i][first:]).abs().max() > 1e-4
     for a, b in zip(logp(longstraw_group_step, moved), after, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_engine_episodes_train_the_same_in_both_inner_steps_with_their_routes_replayed():
+    """Episodes sampled by the built-in engine on an MoE base (mint.rollout.episodes), two of whose initial
+    observations differ at the end, become one GroupBatch (mint.train.episodes): the shared part is the prompt, the
+    rest of each initial observation opens its tail with no loss. Every position has its route, and LongStraw exact
+    equals the full-sequence step."""
+    import asyncio
+
+    from test_episodes import Builder, Echo
+    from transformers import AutoTokenizer
+
+    from mint.envs import EpisodeLimits, StopCondition, run_group
+    from mint.models.specs import load_model
+    from mint.models.tiny import ensure_tiny
+    from mint.rollout.engine import RolloutEngine
+    from mint.rollout.episodes import EnginePolicy
+    from mint.train.episodes import episode_batch
+
+    path = ensure_tiny("qwen3_moe")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    policy = EnginePolicy(RolloutEngine(load_model(path), eos_token_ids=[]), revision="r", seed=5)
+    stop = StopCondition(stop_tokens=(), max_tokens=3)
+    prompts = [tokenizer(text)["input_ids"] for text in ("Q: 2 + 2 = ", "Q: 2 + 2 = ", "Q: 2 + 2 = ?", "Q: 2 + 2 = ?!")]
+    envs = [
+        Echo(p, tokenizer(" ok.")["input_ids"], 2, stop, mask_turn=1 if i == 3 else None) for i, p in enumerate(prompts)
+    ]
+    episodes = asyncio.run(run_group(Builder(envs), policy, EpisodeLimits(), key="g"))
+    group = episode_batch(episodes, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    assert group.prompt_tokens_P.tolist() == prompts[0]
+    extra = [len(p) - len(prompts[0]) for p in prompts]
+    for i, ep in enumerate(episodes):
+        assert group.responses[i].tolist() == prompts[i][len(prompts[0]) :] + ep.tokens
+        assert group.loss_masks[i].tolist() == [False] * extra[i] + [bool(m) for m in ep.loss_mask]
+    sampled = sum(group.loss_lengths)
+    assert sampled == 2 * 3 * 4 - 3  # episode 3's first action was masked
+
+    learner = real_learner(path, ["grpo.icepop=false", "longstraw.mode=exact", "longstraw.chunk_size=3"])
+    micro, plan = _plan(group)
+    naive_stats, naive_logp = naive_group_step(learner.ctx, micro, plan, None, last=True)
+    naive = _lora_grads(learner)
+    learner.engine.optimizer.zero_grad()
+    ls_stats, ls_logp = longstraw_group_step(learner.ctx, micro, plan, None, last=True)
+    assert naive_stats["trust"].tokens == sampled and naive_stats["trust"].kept == sampled  # every route was there
+    assert ls_stats["loss"] == pytest.approx(naive_stats["loss"], abs=1e-6)
+    assert float(naive.abs().sum()) > 0
+    torch.testing.assert_close(_lora_grads(learner), naive, atol=1e-6, rtol=1e-4)
+    for a, b in zip(ls_logp, naive_logp, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from longstraw.routing import RouteRecorder
 from longstraw.scoring import token_logprobs
 from mint.envs.env import Env, EnvGroupBuilder, StepResult, StopCondition, StopReason
 from mint.envs.episode import EpisodeLimits, run_episode, run_group
@@ -149,3 +150,22 @@ def test_an_engine_error_reaches_every_waiting_episode_and_every_env_is_closed(b
     with pytest.raises(Exception, match="stop_token_ids"):
         asyncio.run(run_group(Builder(envs), policy, EpisodeLimits(), key="g"))
     assert [env.closed for env in envs] == [1, 1]
+
+
+def test_an_moe_episode_records_one_route_row_per_position_from_the_forward_that_computed_it():
+    """R3 over the whole episode: the policy's rows for the prompt, the actions and the observations, joined, equal
+    the routes of one full forward over the episode (the engine's prefill and decode route as a full forward does)."""
+    path = ensure_tiny("qwen3_moe")
+    model, tokenizer = load_model(path), AutoTokenizer.from_pretrained(path)
+    policy = EnginePolicy(RolloutEngine(model, eos_token_ids=[]), revision="r", seed=1)
+    stop = StopCondition(stop_tokens=(), max_tokens=4)
+    envs = [Echo(_prompt(tokenizer), tokenizer(" -> 12;")["input_ids"], 3, stop) for _ in range(3)]
+    episodes = asyncio.run(run_group(Builder(envs), policy, EpisodeLimits(), key="moe"))
+    for ep in episodes:
+        ids = torch.tensor(ep.prompt + ep.tokens)
+        assert ep.routes.shape[0] == len(ids) - 1 and ep.routes.dtype == torch.uint8
+        with torch.inference_mode(), RouteRecorder(model) as recorder:
+            model(input_ids=ids[None, :-1], use_cache=False)
+            full = recorder.pop()
+        assert torch.equal(ep.routes.long(), full)
+    assert policy._routes == {} and policy._positions == {}  # released with the episodes

@@ -24,7 +24,7 @@ import asyncio
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from mint.envs.env import Env, EnvGroupBuilder, StepResult, StopCondition, StopReason, Tokens
 
@@ -61,8 +61,9 @@ class Policy(Protocol):
 
     async def sample(self, key: Hashable, context: Tokens, stop: StopCondition) -> Sample: ...
 
-    async def release(self, key: Hashable) -> None:
-        """The episode is over: free what is held for it."""
+    async def release(self, key: Hashable) -> Any:
+        """The episode is over: free what is held for it, and return what the policy recorded over the whole episode
+        beyond tokens and logprobs (an MoE engine's routes, one row per position: `Episode.routes`), or None."""
 
 
 @dataclass
@@ -88,6 +89,9 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     stop_reason: StopReason = StopReason.COMPLETED
     reward: float = 0.0  # the turns' rewards plus the group's (EnvGroupBuilder.group_rewards)
+    # What the policy recorded per position (Policy.release): on an MoE base, the routes of every position's forward,
+    # prompt and observations included ([P + len(tokens) - 1, layers, k]), which R3 replays; None on a dense base.
+    routes: Any = None
 
     @property
     def sampled_tokens(self) -> int:
@@ -104,13 +108,13 @@ async def run_episode(env: Env, policy: Policy, key: Hashable, limits: EpisodeLi
     try:
         prompt, stop = await env.initial_observation()
         episode = Episode(prompt=list(prompt))
-        episode.stop_reason = await _turns(env, policy, key, limits, episode, stop)
+        try:
+            episode.stop_reason = await _turns(env, policy, key, limits, episode, stop)
+        finally:
+            episode.routes = await policy.release(key)
         return episode
     finally:
-        try:
-            await policy.release(key)
-        finally:
-            await env.close()
+        await env.close()
 
 
 async def _turns(

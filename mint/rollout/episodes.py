@@ -10,6 +10,13 @@ This policy prefills each request's whole context, every turn: the engine keeps 
 episode's K/V across turns and prefilling only the new observation is the engine's next step; until then the
 episode's record is the same either way (the sampled ids, their logprobs, each turn's revision), only slower.
 
+Routes (R3 over the whole episode) follow the engine's route convention: row p is the routing of the forward whose
+input is the token at position p. Each call returns rows for its context (its prefill) and for its sampled tokens
+(the decode that produced them); the policy keeps, per episode, the rows of positions it does not hold yet, so every
+position's row comes from the first forward that computed it: a sampled token's from the decode that sampled it, an
+observation's from the prefill of the turn after it. `release` returns them concatenated, [P + T - 1, layers, k],
+after checking they cover every position exactly once.
+
 Sampling is deterministic for a fixed seed and arrival order: episode n (in the order of their first request) draws
 from a generator seeded with `group_seed(seed, n)`, which lives as long as the episode.
 """
@@ -52,6 +59,8 @@ class EnginePolicy:
         self.seed = seed
         self.window_s = window_s
         self._generators: dict[Hashable, torch.Generator] = {}
+        self._routes: dict[Hashable, list[torch.Tensor]] = {}  # per episode: route rows held, in position order
+        self._positions: dict[Hashable, int] = {}  # per episode: the positions whose rows are held (0..n-1)
         self._started = 0
         self._pending: list[_Request] = []
         self._flush: asyncio.TimerHandle | None = None
@@ -73,9 +82,13 @@ class EnginePolicy:
             self._flush = loop.call_later(self.window_s, self._run_pending)
         return await request.done
 
-    async def release(self, key: Hashable) -> None:
+    async def release(self, key: Hashable) -> torch.Tensor | None:
+        """Forget the episode; returns its routes, [positions, layers, k] (None on a dense base)."""
         self._generators.pop(key, None)
         asyncio.get_running_loop().call_soon(self._run_if_all_wait)
+        rows = self._routes.pop(key, None)
+        self._positions.pop(key, None)
+        return torch.cat(rows) if rows else None
 
     def _run_if_all_wait(self) -> None:
         if self._pending and len(self._pending) == len(self._generators):  # no live episode is left to wait for
@@ -111,6 +124,7 @@ class EnginePolicy:
             )
             for i, group in zip(rows, groups, strict=True):
                 (completion,) = group.completions
+                self._keep_routes(batch[i], group)
                 samples[i] = Sample(
                     tokens=completion.tokens_R.tolist(),
                     logprobs=completion.logprobs_R.tolist(),
@@ -118,3 +132,17 @@ class EnginePolicy:
                     finish_reason=completion.finish_reason,
                 )
         return samples
+
+    def _keep_routes(self, request: _Request, group) -> None:
+        """Keep the rows of the positions this episode's record lacks: the new context positions from the prefill
+        (the observation, and the last token of the previous action), then the decode's rows of the sampled tokens."""
+        if group.prompt_routes_P1_L_K is None:
+            return
+        (completion,) = group.completions
+        held = self._positions.get(request.key, 0)
+        C = len(request.context)
+        if held > C - 1:
+            raise RuntimeError(f"episode {request.key!r}: the context shrank below the routes already held")
+        rows = self._routes.setdefault(request.key, [])
+        rows += [group.prompt_routes_P1_L_K[held : C - 1], completion.routes_R_L_K]
+        self._positions[request.key] = C - 1 + len(completion.tokens_R)
