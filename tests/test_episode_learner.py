@@ -10,16 +10,27 @@ loss mask (GroupBatch.loss_masks), so observation tokens are replayed as context
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 
 import pytest
 import torch
 from conftest import build_random_tiny
+from test_episodes import Builder, Echo
 from test_inner_step import _lora_grads, real_learner
+from transformers import AutoTokenizer
 
+from mint.envs import EpisodeLimits, StopCondition, run_group
+from mint.models.specs import load_model
+from mint.models.tiny import ensure_tiny
 from mint.rl.grpo import per_token_objective
+from mint.rl.tasks import Example
+from mint.rollout.engine import RolloutEngine
+from mint.rollout.episodes import EnginePolicy, group_rollout
 from mint.train.inner_step import GroupBatch, MicroStep, StepPlan, _score_padded, longstraw_group_step, naive_group_step
+from mint.train.rollout_actor import GroupResult
+from mint.train.step import to_batches
 
 # Two episodes' tails after a 5-token prompt: 1 = sampled (an action), 0 = observation.
 KINDS = [[1, 1, 0, 0, 0, 1, 1, 1], [1, 1, 1, 0, 0, 1]]
@@ -145,21 +156,9 @@ def test_r3_replays_the_recorded_routes_on_observation_positions(random_qwen3_pa
 
 def test_engine_episodes_train_the_same_in_both_inner_steps_with_their_routes_replayed():
     """Episodes sampled by the built-in engine on an MoE base (mint.rollout.episodes), two of whose initial
-    observations differ at the end, become one GroupBatch (mint.train.episodes): the shared part is the prompt, the
-    rest of each initial observation opens its tail with no loss. Every position has its route, and LongStraw exact
+    observations differ at the end, become one GroupBatch (group_rollout, to_batches): the shared part is the prompt,
+    the rest of each initial observation opens its tail with no loss. Every position has its route, and LongStraw exact
     equals the full-sequence step."""
-    import asyncio
-
-    from test_episodes import Builder, Echo
-    from transformers import AutoTokenizer
-
-    from mint.envs import EpisodeLimits, StopCondition, run_group
-    from mint.models.specs import load_model
-    from mint.models.tiny import ensure_tiny
-    from mint.rollout.engine import RolloutEngine
-    from mint.rollout.episodes import EnginePolicy
-    from mint.train.episodes import episode_batch
-
     path = ensure_tiny("qwen3_moe")
     tokenizer = AutoTokenizer.from_pretrained(path)
     policy = EnginePolicy(RolloutEngine(load_model(path), eos_token_ids=[]), revision="r", seed=5)
@@ -169,7 +168,9 @@ def test_engine_episodes_train_the_same_in_both_inner_steps_with_their_routes_re
         Echo(p, tokenizer(" ok.")["input_ids"], 2, stop, mask_turn=1 if i == 3 else None) for i, p in enumerate(prompts)
     ]
     episodes = asyncio.run(run_group(Builder(envs), policy, EpisodeLimits(), key="g"))
-    group = episode_batch(episodes, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    # the trainer's own path: the rollout actor's GroupResult, then the learner's batch
+    result = GroupResult(Example("q", "4"), group_rollout(episodes), [], [ep.reward for ep in episodes], 0, "r")
+    (group,) = to_batches([result], torch.tensor([[1.0, -1.0, 0.5, -0.5]]))
     assert group.prompt_tokens_P.tolist() == prompts[0]
     extra = [len(p) - len(prompts[0]) for p in prompts]
     for i, ep in enumerate(episodes):

@@ -122,6 +122,7 @@ def test_the_runner_stops_at_each_limit_and_says_why(base):
 
     ep, env = run(Echo(prompt, observation, 100, stop), EpisodeLimits(max_turns=3, max_tokens=500, context=900))
     assert ep.stop_reason is StopReason.MAX_TURNS and len(ep.turns) == 3 and env.closed == 1
+    assert len(ep.tokens) == 3 * 4 + 2 * len(observation)  # no observation after the last action: nothing follows it
 
     # the token budget: the last action is cut to what is left of it, and no observation follows one that fills it
     limit = 4 + len(observation) + 3

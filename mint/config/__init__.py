@@ -4,7 +4,9 @@ Every field has a default and a help string, and is validated at load. A bad rec
 with one line that names the dotted key (and the closest valid key when there is one); the CLI prints that line and
 exits with code 2. Nothing rewrites a config in place: derived values come from pure functions.
 
-    schema.py   the sections and their knobs (Config, RESULT_NEUTRAL)
+    schema.py   the sections of what a step computes, and Config (RESULT_NEUTRAL)
+    sections.py the sections of where and how a run runs, logs and checkpoints
+    knobs.py    `knob`, how a field is declared
     load.py     load_config / build_config, range checks, derived values (run_dir, norm_constant)
     rules.py    every rule that involves more than one key
     doc.py      docs/configuration.md (`python -m mint.config`)
@@ -20,6 +22,7 @@ from mint.config.schema import (
     Config,
     DataConfig,
     EnginesConfig,
+    EnvConfig,
     EvalConfig,
     GrpoConfig,
     LearnerConfig,
@@ -43,6 +46,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EnginesConfig",
+    "EnvConfig",
     "EvalConfig",
     "GrpoConfig",
     "LearnerConfig",

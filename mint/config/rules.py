@@ -97,9 +97,15 @@ def learner_rules(learner: LearnerConfig) -> None:
 
 
 def section_rules(config: Config) -> None:
-    """The rollout backend against its engines; context parallel: its size times expert parallel's divides the
-    ranks, and it runs under LongStraw's exact or detached mode."""
+    """The rollout backend against its engines (and episodes: builtin only); context parallel: its size times expert
+    parallel's divides the ranks, and it runs under LongStraw's exact or detached mode."""
     _backend_rules(config)
+    if config.env.name and config.rollout.backend != "builtin":
+        # Episodes need token-in/token-out sampling with routes per position; only the in-process engine has it yet.
+        raise ConfigError(
+            f"env.name: multi-turn episodes run on rollout.backend = builtin (got {config.rollout.backend}); the "
+            "engine servers' episode client is not built yet"
+        )
     cp, ranks, ep = config.longstraw.context_parallel, config.learner.num_ranks, config.learner.expert_parallel
     if cp == 1:
         return
@@ -161,6 +167,8 @@ COMBINATIONS: tuple[tuple[tuple[str, ...], bool, str], ...] = (
     (("rollout.backend=vllm", "engines.start=1", "rollout.num_actors=2"), False, "each rollout actor fronts an engine"),
     (("rollout.backend=vllm", "engines.start=1", "rollout.top_p=0.9"), False, "vLLM's logprobs are of the nucleus"),
     (("rollout.backend=sglang", "engines.start=1", "rollout.top_p=0.9"), True, "SGLang's are of the whole softmax"),
+    (("env.name=retry",), True, "multi-turn episodes on the built-in engine"),
+    (("env.name=retry", "rollout.backend=vllm", 'engines.urls=["http://h:8000"]'), False, "episodes: builtin only"),
     (("learner.inner_step=longstraw", "learner.zero_stage=1"), True, "the default"),
     (("learner.inner_step=longstraw", "learner.zero_stage=2", "learner.num_ranks=1"), True, "one rank: no collectives"),
     (("learner.inner_step=longstraw", "learner.zero_stage=2", "learner.num_ranks=2"), False, "ranks would disagree"),

@@ -121,7 +121,7 @@ async def _turns(
     env: Env, policy: Policy, key: Hashable, limits: EpisodeLimits, episode: Episode, stop: StopCondition
 ) -> StopReason:
     P = len(episode.prompt)
-    for _ in range(limits.max_turns):
+    while True:
         context_room = limits.context - P - len(episode.tokens)
         budget = min(stop.max_tokens, limits.max_tokens - len(episode.tokens), context_room)
         if budget < 1:  # only before the first action: a later observation is refused when it leaves no room
@@ -145,6 +145,8 @@ async def _turns(
         episode.reward += result.reward
         if result.episode_done:
             return result.stop_reason or StopReason.COMPLETED
+        if len(episode.turns) == limits.max_turns:  # no action would follow the observation: it is not appended
+            return StopReason.MAX_TURNS
         observation = list(result.next_observation)
         if P + len(episode.tokens) + len(observation) >= limits.context:
             return StopReason.CONTEXT_OVERFLOW  # not even one more sampled token would fit after it
@@ -153,7 +155,6 @@ async def _turns(
         episode._append(observation, 0, None)
         turn.observation = len(observation)
         stop = result.next_stop or stop
-    return StopReason.MAX_TURNS
 
 
 def _turn(start: int, sample: Sample, result: StepResult) -> Turn:

@@ -99,6 +99,9 @@ class Completion:
     routes_R_L_K: torch.Tensor | None  # [R, L, k] route_dtype; row j = routing of the forward that produced token j
     finish_reason: str  # "stop" | "length"
     indexer_R_I_K: torch.Tensor | None = None  # [R, I, K] int32 absolute key positions, -1 = none (Indexer convention)
+    # An episode's tail (mint.rollout.episodes): bool [R], True on the tokens the policy sampled and the loss covers,
+    # False on observation tokens (their logprobs are NaN). None: a plain response, every token sampled.
+    loss_mask_R: torch.Tensor | None = None
 
 
 @dataclass

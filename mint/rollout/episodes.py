@@ -17,6 +17,12 @@ position's row comes from the first forward that computed it: a sampled token's 
 observation's from the prefill of the turn after it. `release` returns them concatenated, [P + T - 1, layers, k],
 after checking they cover every position exactly once.
 
+`group_rollout` turns a group's episodes into the GroupRollout a single-turn group would be, which is what the
+trainer carries to the learner: the prompt is the part of the initial observations all G share (normally all of it:
+one task, G attempts), each completion the rest of its episode: what is left of its initial observation (if any),
+then its actions and observations in order, with `loss_mask_R` True on the sampled tokens of unmasked actions. The
+prompt's route rows come from the first episode (the others computed the same prompt).
+
 Sampling is deterministic for a fixed seed and arrival order: episode n (in the order of their first request) draws
 from a generator seeded with `group_seed(seed, n)`, which lives as long as the episode.
 """
@@ -24,15 +30,17 @@ from a generator seeded with `group_seed(seed, n)`, which lives as long as the e
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
+import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from mint.envs.env import StopCondition, Tokens
-from mint.envs.episode import Sample
+from mint.envs.env import EnvGroupBuilder, StopCondition, Tokens
+from mint.envs.episode import Episode, EpisodeLimits, Sample, run_group
+from mint.errors import MintError
 from mint.rollout._sampling import SamplingParams, group_seed
-from mint.rollout.engine import RolloutEngine
+from mint.rollout.engine import Completion, GroupRollout, RolloutEngine
 
 
 @dataclass
@@ -146,3 +154,58 @@ class EnginePolicy:
         rows = self._routes.setdefault(request.key, [])
         rows += [group.prompt_routes_P1_L_K[held : C - 1], completion.routes_R_L_K]
         self._positions[request.key] = C - 1 + len(completion.tokens_R)
+
+
+def shared_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    """The length of the longest prefix all `prompts` share."""
+    shortest = min(len(p) for p in prompts)
+    n = 0
+    while n < shortest and all(p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return n
+
+
+def group_rollout(episodes: Sequence[Episode]) -> GroupRollout:
+    """A group's episodes as one GroupRollout (prompt shared, each tail a masked completion); see the module doc."""
+    if not episodes:
+        raise MintError("group_rollout: a group needs at least one episode")
+    if any(not ep.tokens for ep in episodes):
+        raise MintError("group_rollout: an episode ended before its first action; there is nothing to train on")
+    P = shared_prefix([ep.prompt for ep in episodes])
+    if P < 1:
+        raise MintError("group_rollout: the group's initial observations share no first token; LongStraw needs one")
+    with_routes = all(ep.routes is not None for ep in episodes)
+    completions = []
+    for ep in episodes:
+        rest = ep.prompt[P:]
+        routes = None
+        if with_routes:
+            positions = len(ep.prompt) + len(ep.tokens) - 1
+            if ep.routes.shape[0] != positions:
+                raise MintError(
+                    f"group_rollout: {ep.routes.shape[0]} route rows for {positions} positions; a policy's record "
+                    "must cover every position once"
+                )
+            routes = ep.routes[P - 1 :]
+        completions.append(
+            Completion(
+                tokens_R=torch.tensor(rest + ep.tokens, dtype=torch.int64),
+                logprobs_R=torch.tensor([math.nan] * len(rest) + ep.logprobs, dtype=torch.float32),
+                routes_R_L_K=routes,
+                finish_reason=ep.stop_reason.value,
+                loss_mask_R=torch.tensor([0] * len(rest) + ep.loss_mask, dtype=torch.bool),
+            )
+        )
+    prompt_routes = episodes[0].routes[: P - 1] if with_routes else None
+    return GroupRollout(torch.tensor(episodes[0].prompt[:P], dtype=torch.int64), prompt_routes, completions)
+
+
+def sample_episodes(
+    policy: EnginePolicy, builders: Sequence[EnvGroupBuilder], limits: EpisodeLimits
+) -> list[list[Episode]]:
+    """Every group's episodes, all groups at once (their actions share the policy's decode batches)."""
+
+    async def run_all():
+        return await asyncio.gather(*(run_group(b, policy, limits, key=i) for i, b in enumerate(builders)))
+
+    return [list(group) for group in asyncio.run(run_all())]

@@ -365,8 +365,28 @@ def _metrics(config, step, now: Begun, sums, rev, state, fleet, t0, times) -> di
         peak_memory_mb=sums.get("peak_memory_mb", 0.0),
         revision=rev.id,
         **_reward_parts(results),
+        **_episode_metrics(results),
         **{k: v for k, v in sums.items() if k.startswith(("masked_", "trust_", "out_of_route", "mismatch"))},
     )
+
+
+def _episode_metrics(results: list) -> dict[str, float]:
+    """Multi-turn runs (env.name): turns and tokens per episode, the fraction that ended for each stop reason, the
+    masked actions, and each environment metric's mean per episode (env/<name>)."""
+    episodes = [ep for r in results for ep in (r.episodes or [])]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    out = {
+        "turns_mean": sum(len(ep["turns"]) for ep in episodes) / n,
+        "episode_tokens_mean": sum(ep["tokens"] for ep in episodes) / n,
+        "masked_turns": float(sum(t["masked"] for ep in episodes for t in ep["turns"])),
+    }
+    for reason in sorted({ep["stop_reason"] for ep in episodes}):
+        out[f"stop/{reason}"] = sum(ep["stop_reason"] == reason for ep in episodes) / n
+    for name in sorted({k for ep in episodes for k in ep["metrics"]}):
+        out[f"env/{name}"] = sum(ep["metrics"].get(name, 0.0) for ep in episodes) / n
+    return out
 
 
 def _reward_parts(results: list) -> dict[str, float]:

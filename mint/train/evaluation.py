@@ -70,4 +70,6 @@ def sample_rows(config: Config, step: int, results: list, rewards_B_G) -> list[d
                     "advantage": float(adv_B_G[b, i]),
                 }
             )
+            if res.episodes:  # a multi-turn episode: its turns, each action with the observation after it
+                rows[-1].update(turns=res.episodes[i]["turns"], stop_reason=res.episodes[i]["stop_reason"])
     return rows

@@ -102,7 +102,7 @@ class RunLogger:
         if self._wandb is not None:
             import wandb
 
-            columns = list(rows[0])
+            columns = [c for c, v in rows[0].items() if isinstance(v, (str, int, float))]  # an episode's turns: jsonl
             table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
             self._wandb.log({"samples": table}, step=rows[0]["step"])
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from mint.config import Config
+from mint.envs.registry import resolve_env
 from mint.errors import MintError
 from mint.rl.tasks import Example
 from mint.rollout.engine import GroupRollout, SamplingParams
@@ -47,6 +48,7 @@ class GroupResult:
     revision: str | None
     reward_error: str = ""  # the group's first reward failure, one line
     rewards_by_fn: dict[str, list[float]] | None = None  # each reward function's G rewards (before weighting)
+    episodes: list[dict] | None = None  # multi-turn (env.name): each episode's `episode_summary`
 
 
 class RolloutActor:
@@ -73,8 +75,11 @@ class RolloutActor:
         )
         self.rewards = RewardSet(config.data.reward, config.data.reward_timeout)
         self.revision: str | None = None
-        # Prompt tokens that leave room for max_tokens in the model's positions (preflight checked the data set).
-        self.max_prompt = max_positions - r.max_tokens
+        # Prompt tokens that leave room for max_tokens in the model's positions (preflight checked the data set);
+        # an episode's room is its whole tail (env.max_tokens).
+        self.max_positions = max_positions
+        self.max_prompt = max_positions - (config.env.max_tokens if config.env.name else r.max_tokens)
+        self.env_factory = resolve_env(config.env.name) if config.env.name else None
 
     def _start_builtin(self, config: Config, model_path: str) -> int:
         """The base plus LoRA in this process, sampled by the built-in engine."""
@@ -223,6 +228,8 @@ class RolloutActor:
             raise StaleRevision(f"rollout actor holds revision {held}, asked for {revision[:12]}")
 
         prompts = [self._prompt(ex) for ex in examples]
+        if self.env_factory is not None:
+            return self._rollout_episodes(examples, prompts, seed)
         groups = self._sample_groups(prompts, self.config.rollout.group_size, self.params, seed)
         G = self.config.rollout.group_size
         responses = [
@@ -247,3 +254,49 @@ class RolloutActor:
                 )
             )
         return results
+
+    def _rollout_episodes(self, examples: list[Example], prompts: list[list[int]], seed: int) -> list[GroupResult]:
+        """One group of G episodes per prompt, driven by the environment `env.name` names (mint.envs), on the
+        built-in engine; each group comes back as the GroupRollout the learner trains on (episode tails masked)."""
+        from mint.envs import EpisodeLimits, StopCondition
+        from mint.rollout.episodes import EnginePolicy, group_rollout, sample_episodes
+
+        r, env = self.config.rollout, self.config.env
+        stop = StopCondition(self.params.stop_token_ids, r.max_tokens)
+        factory, tokenizer, config = self.env_factory, self.tokenizer, self.config
+        builders = [factory(ex, tokenizer, config, p, stop) for ex, p in zip(examples, prompts, strict=True)]
+        policy = EnginePolicy(self.engine, self.revision or "", r.temperature, r.top_p, seed)
+        limits = EpisodeLimits(env.max_turns, env.max_tokens, self.max_positions, env.step_timeout)
+        results = []
+        for ex, episodes in zip(examples, sample_episodes(policy, builders, limits), strict=True):
+            rewards = [ep.reward for ep in episodes]
+            texts = [self.tokenizer.decode(ep.tokens, skip_special_tokens=True) for ep in episodes]
+            summary = [episode_summary(ep, self.tokenizer) for ep in episodes]
+            results.append(GroupResult(ex, group_rollout(episodes), texts, rewards, 0, self.revision, episodes=summary))
+        return results
+
+
+def episode_summary(episode, tokenizer) -> dict:
+    """What the step's metrics and samples.jsonl keep of an episode: its turns as text, their rewards, why it ended."""
+    turns, metrics = [], {}
+    for t in episode.turns:
+        for name, value in t.metrics.items():
+            metrics[name] = metrics.get(name, 0.0) + value
+        action = episode.tokens[t.start : t.start + t.action]
+        observation = episode.tokens[t.start + t.action : t.start + t.action + t.observation]
+        turns.append(
+            {
+                "action": tokenizer.decode(action, skip_special_tokens=True),
+                "observation": tokenizer.decode(observation, skip_special_tokens=True),
+                "reward": t.reward,
+                "masked": t.masked,
+                "revision": t.revision,
+            }
+        )
+    return {
+        "turns": turns,
+        "stop_reason": episode.stop_reason.value,
+        "sampled_tokens": episode.sampled_tokens,
+        "tokens": len(episode.tokens),
+        "metrics": metrics,  # each turn metric summed over the episode
+    }

@@ -200,8 +200,19 @@ def to_batches(results: list[GroupResult], adv_B_G: torch.Tensor) -> list[GroupB
             prompt_routes_P1_L_K=res.rollout.prompt_routes_P1_L_K,
             routes=[c.routes_R_L_K for c in res.rollout.completions],
             indexer=[c.indexer_R_I_K for c in res.rollout.completions],
+            loss_masks=_loss_masks(res.rollout.completions),
         )
         for b, res in enumerate(results)
+    ]
+
+
+def _loss_masks(completions) -> list[torch.Tensor] | None:
+    """Episode tails' masks (observation tokens carry no loss); None when every completion is a plain response."""
+    if all(c.loss_mask_R is None for c in completions):
+        return None
+    return [
+        c.loss_mask_R if c.loss_mask_R is not None else torch.ones(len(c.tokens_R), dtype=torch.bool)
+        for c in completions
     ]
 
 
