@@ -228,3 +228,40 @@ def test_preflight_refuses_r3_on_a_vllm_engine_started_without_routed_experts(ti
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "sent no expert routes" in lines[0], proc.stderr[-3000:]
     assert not ray_tmp.exists() and not (tmp_path / "r3").exists(), "refused only after starting the run"
+
+
+def test_episodes_on_a_real_vllm_are_token_in_token_out(tiny_moe_on_vllm):
+    """Multi-turn episodes through Mint's vllm backend (mint.rollout.episodes): every turn sends the episode's ids as
+    they stand (actions as sampled, observations as given, never re-rendered), so the engine's logprob of each sampled
+    token, later turns included, is the learner's at the same position of one forward over the whole episode. The
+    server records no routes here, and the episodes say so (None) rather than carry a partial record."""
+    import asyncio
+
+    from test_episodes import Builder, Echo
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mint.envs import EpisodeLimits, StopCondition, run_group
+    from mint.rollout.episodes import EnginePolicy
+
+    directory, url = tiny_moe_on_vllm
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    backend = VllmBackend([url], moe_layout(AutoConfig.from_pretrained(directory)), timeout=120.0)
+    gen = torch.Generator().manual_seed(4)
+    prompt, observation = (torch.randint(5, 300, (n,), generator=gen).tolist() for n in (9, 6))
+    envs = [Echo(prompt, observation, 3, StopCondition((), 5)) for _ in range(3)]
+    policy = EnginePolicy(backend, revision="base", temperature=1.0, seed=11)
+    try:
+        episodes = asyncio.run(run_group(Builder(envs), policy, EpisodeLimits(), key="vllm"))
+    finally:
+        backend.close()
+    assert policy.batches == 3  # each turn of the three episodes went out as one round of requests
+    for env, ep in zip(envs, episodes, strict=True):
+        assert ep.tokens == env.actions[0] + observation + env.actions[1] + observation + env.actions[2]
+        assert ep.routes is None and len(ep.turns) == 3
+        sampled = [bool(m) for m in ep.loss_mask]
+        ids = torch.tensor([ep.prompt + ep.tokens])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(ep.prompt) - 1 : -1]
+        learner = token_logprobs(logits, ids[0, len(ep.prompt) :], 1.0)[sampled]
+        engine = torch.tensor(ep.logprobs)[sampled]
+        assert float((learner - engine).abs().max()) <= 1e-4

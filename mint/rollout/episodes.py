@@ -1,5 +1,9 @@
-"""The built-in engine as an episode policy (mint.envs.episode.Policy): the actions of concurrent episodes are
-sampled in one decode batch.
+"""A rollout engine as an episode policy (mint.envs.episode.Policy): the actions of concurrent episodes are sampled
+together, in one decode batch of the built-in engine or one round of concurrent requests to the engine servers.
+
+Token in, token out on every backend: each request carries the episode's context as ids (never a chat re-rendered),
+and the HTTP backends name the run's adapter on every request (mint.rollout.backends), so no turn of an episode is
+sampled by the bare base.
 
 Episodes ask for actions at different moments: one waits on a tool while another is ready. `EnginePolicy` collects
 the requests that arrive together and hands them to `RolloutEngine.generate_groups` as one batch (one group of one
@@ -23,8 +27,14 @@ one task, G attempts), each completion the rest of its episode: what is left of 
 then its actions and observations in order, with `loss_mask_R` True on the sampled tokens of unmasked actions. The
 prompt's route rows come from the first episode (the others computed the same prompt).
 
-Sampling is deterministic for a fixed seed and arrival order: episode n (in the order of their first request) draws
-from a generator seeded with `group_seed(seed, n)`, which lives as long as the episode.
+Sampling is deterministic for a fixed seed and arrival order. On the built-in engine episode n (in the order of
+their first request) draws from a generator seeded with `group_seed(seed, n)`, which lives as long as the episode; an
+engine server takes a seed per request instead, request i of the policy's b-th batch (b = 1, 2, ...) getting
+`group_seed(group_seed(seed, -b), i)`.
+
+An engine server may return no routes for a request (one started without route recording, or a prefix it served
+from its cache): the episode's routes then have a gap, and the whole episode goes to the learner without routes (R3
+masks and counts its tokens as route_missing) rather than with rows shifted onto the wrong positions.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from mint.envs.env import EnvGroupBuilder, StopCondition, Tokens
 from mint.envs.episode import Episode, EpisodeLimits, Sample, run_group
 from mint.errors import MintError
 from mint.rollout._sampling import SamplingParams, group_seed
+from mint.rollout.backends.base import RolloutBackend
 from mint.rollout.engine import Completion, GroupRollout, RolloutEngine
 
 
@@ -54,7 +65,7 @@ class _Request:
 class EnginePolicy:
     def __init__(
         self,
-        engine: RolloutEngine,
+        engine: RolloutEngine | RolloutBackend,
         revision: str,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -69,6 +80,7 @@ class EnginePolicy:
         self._generators: dict[Hashable, torch.Generator] = {}
         self._routes: dict[Hashable, list[torch.Tensor]] = {}  # per episode: route rows held, in position order
         self._positions: dict[Hashable, int] = {}  # per episode: the positions whose rows are held (0..n-1)
+        self._gaps: set[Hashable] = set()  # episodes a request returned no routes for (after some did)
         self._started = 0
         self._pending: list[_Request] = []
         self._flush: asyncio.TimerHandle | None = None
@@ -76,8 +88,10 @@ class EnginePolicy:
 
     async def sample(self, key: Hashable, context: Tokens, stop: StopCondition) -> Sample:
         if key not in self._generators:
-            generator = torch.Generator(device=self.engine.device)
-            generator.manual_seed(group_seed(self.seed, self._started))
+            generator = None
+            if isinstance(self.engine, RolloutEngine):
+                generator = torch.Generator(device=self.engine.device)
+                generator.manual_seed(group_seed(self.seed, self._started))
             self._generators[key] = generator
             self._started += 1
         loop = asyncio.get_running_loop()
@@ -96,6 +110,9 @@ class EnginePolicy:
         asyncio.get_running_loop().call_soon(self._run_if_all_wait)
         rows = self._routes.pop(key, None)
         self._positions.pop(key, None)
+        if key in self._gaps:
+            self._gaps.discard(key)
+            return None
         return torch.cat(rows) if rows else None
 
     def _run_if_all_wait(self) -> None:
@@ -127,9 +144,13 @@ class EnginePolicy:
             by_stop.setdefault(request.stop, []).append(i)
         for stop, rows in by_stop.items():
             params = SamplingParams(self.temperature, self.top_p, stop.max_tokens, stop.stop_tokens)
-            groups = self.engine.generate_groups(
-                [batch[i].context for i in rows], 1, params, [self._generators[batch[i].key] for i in rows]
-            )
+            contexts = [batch[i].context for i in rows]
+            if isinstance(self.engine, RolloutEngine):
+                groups = self.engine.generate_groups(
+                    contexts, 1, params, [self._generators[batch[i].key] for i in rows]
+                )
+            else:  # an engine server: a seed per request, from this batch's own
+                groups = self.engine.generate(contexts, 1, params, group_seed(self.seed, -self.batches))
             for i, group in zip(rows, groups, strict=True):
                 (completion,) = group.completions
                 self._keep_routes(batch[i], group)
@@ -144,9 +165,11 @@ class EnginePolicy:
     def _keep_routes(self, request: _Request, group) -> None:
         """Keep the rows of the positions this episode's record lacks: the new context positions from the prefill
         (the observation, and the last token of the previous action), then the decode's rows of the sampled tokens."""
-        if group.prompt_routes_P1_L_K is None:
-            return
         (completion,) = group.completions
+        if group.prompt_routes_P1_L_K is None or completion.routes_R_L_K is None:
+            if request.key in self._routes or completion.routes_R_L_K is not None:
+                self._gaps.add(request.key)  # some positions have rows and these do not: never shift rows
+            return
         held = self._positions.get(request.key, 0)
         C = len(request.context)
         if held > C - 1:
@@ -174,12 +197,11 @@ def group_rollout(episodes: Sequence[Episode]) -> GroupRollout:
     P = shared_prefix([ep.prompt for ep in episodes])
     if P < 1:
         raise MintError("group_rollout: the group's initial observations share no first token; LongStraw needs one")
-    with_routes = all(ep.routes is not None for ep in episodes)
     completions = []
     for ep in episodes:
         rest = ep.prompt[P:]
         routes = None
-        if with_routes:
+        if ep.routes is not None:
             positions = len(ep.prompt) + len(ep.tokens) - 1
             if ep.routes.shape[0] != positions:
                 raise MintError(
@@ -196,7 +218,8 @@ def group_rollout(episodes: Sequence[Episode]) -> GroupRollout:
                 loss_mask_R=torch.tensor([0] * len(rest) + ep.loss_mask, dtype=torch.bool),
             )
         )
-    prompt_routes = episodes[0].routes[: P - 1] if with_routes else None
+    routed = [ep for ep in episodes if ep.routes is not None]  # an episode without routes: R3 masks its tokens
+    prompt_routes = routed[0].routes[: P - 1] if routed else None
     return GroupRollout(torch.tensor(episodes[0].prompt[:P], dtype=torch.int64), prompt_routes, completions)
 
 

@@ -257,7 +257,8 @@ class RolloutActor:
 
     def _rollout_episodes(self, examples: list[Example], prompts: list[list[int]], seed: int) -> list[GroupResult]:
         """One group of G episodes per prompt, driven by the environment `env.name` names (mint.envs), on the
-        built-in engine; each group comes back as the GroupRollout the learner trains on (episode tails masked)."""
+        built-in engine or the engine servers; each group comes back as the GroupRollout the learner trains on
+        (episode tails masked)."""
         from mint.envs import EpisodeLimits, StopCondition
         from mint.rollout.episodes import EnginePolicy, group_rollout, sample_episodes
 
@@ -265,7 +266,8 @@ class RolloutActor:
         stop = StopCondition(self.params.stop_token_ids, r.max_tokens)
         factory, tokenizer, config = self.env_factory, self.tokenizer, self.config
         builders = [factory(ex, tokenizer, config, p, stop) for ex, p in zip(examples, prompts, strict=True)]
-        policy = EnginePolicy(self.engine, self.revision or "", r.temperature, r.top_p, seed)
+        sampler = self.engine if self.config.rollout.backend == "builtin" else self.backend
+        policy = EnginePolicy(sampler, self.revision or "", r.temperature, r.top_p, seed)
         limits = EpisodeLimits(env.max_turns, env.max_tokens, self.max_positions, env.step_timeout)
         results = []
         for ex, episodes in zip(examples, sample_episodes(policy, builders, limits), strict=True):
