@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from longstraw.routing import RouteRecorder
 from longstraw.scoring import token_logprobs
 from mint.envs.env import Env, EnvGroupBuilder, StepResult, StopCondition, StopReason
-from mint.envs.episode import EpisodeLimits, run_episode, run_group
+from mint.envs.episode import EpisodeLimits, Sample, run_episode, run_group
 from mint.models.specs import load_model
 from mint.models.tiny import ensure_tiny
 from mint.rollout.engine import RolloutEngine
@@ -170,3 +170,49 @@ def test_an_moe_episode_records_one_route_row_per_position_from_the_forward_that
             full = recorder.pop()
         assert torch.equal(ep.routes.long(), full)
     assert policy._routes == {} and policy._positions == {}  # released with the episodes
+
+
+class TeacherForced:
+    """A policy that emits given actions (token ids chosen by the test), one per turn: it pins what was "sampled"
+    so a test can pick ids whose text does not encode back to them."""
+
+    def __init__(self, actions):
+        self.actions = list(actions)
+
+    async def sample(self, key, context, stop):
+        tokens = self.actions.pop(0)
+        return Sample(tokens=tokens, logprobs=[-1.0] * len(tokens), revision="forced", finish_reason="stop")
+
+    async def release(self, key):
+        return None
+
+
+def test_sampled_ids_that_do_not_survive_decode_and_encode_stay_as_sampled():
+    """"a" then "r" sampled as two tokens decode to "ar", which the tokenizer encodes as one token. The retry
+    environment reads the text (it must: it checks the answer), but the record keeps the two sampled ids, and the
+    feedback after them is the template's delta, not a re-encoding of the conversation."""
+    from mint.envs.retry import FEEDBACK, retry
+    from mint.rl.tasks import Example
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny("qwen3"))
+    a, r = tokenizer.convert_tokens_to_ids(["a", "r"])
+    eos = tokenizer.eos_token_id
+    assert tokenizer.encode(tokenizer.decode([a, r]), add_special_tokens=False) != [a, r]  # the premise
+    example = Example("What is the first digit of 7 1 2?", "7")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": example.prompt}], add_generation_prompt=True)
+    builder = retry(example, tokenizer, _config(group_size=2), list(prompt), StopCondition((eos,), 4))
+    first, second = [a, r, eos], [tokenizer.convert_tokens_to_ids("7"), eos]
+    policy = TeacherForced([first, first, second, second])
+    episodes = asyncio.run(run_group(builder, policy, EpisodeLimits(max_turns=3), key="rt"))
+    for ep in episodes:
+        feedback = ep.tokens[len(first) : len(ep.tokens) - len(second)]
+        assert ep.tokens[: len(first)] == first and ep.tokens[-len(second) :] == second
+        assert tokenizer.decode(feedback) == f"\n<|im_start|>user\n{FEEDBACK}<|im_end|>\n<|im_start|>assistant\n"
+        assert ep.loss_mask == [1] * len(first) + [0] * len(feedback) + [1] * len(second)
+        assert ep.reward == 0.5 and ep.stop_reason is StopReason.COMPLETED  # right at the second try
+
+
+def _config(group_size: int):
+    from mint.config import build_config
+
+    return build_config({}, [f"rollout.group_size={group_size}"])
