@@ -36,6 +36,7 @@ FILE_SECONDS = {
     "test_durability.py": 150,
     "test_engine_conformance.py": 150,
     "test_expert_parallel.py": 150,
+    "test_sandbox.py": 50,
 }
 
 
