@@ -18,8 +18,8 @@ Routes (R3 over the whole episode) follow the engine's route convention: row p i
 input is the token at position p. Each call returns rows for its context (its prefill) and for its sampled tokens
 (the decode that produced them); the policy keeps, per episode, the rows of positions it does not hold yet, so every
 position's row comes from the first forward that computed it: a sampled token's from the decode that sampled it, an
-observation's from the prefill of the turn after it. `release` returns them concatenated, [P + T - 1, layers, k],
-after checking they cover every position exactly once.
+observation's from the prefill of the turn after it. `release` returns them concatenated, [P + T - 1, layers, k];
+`group_rollout` checks they cover every position once.
 
 `group_rollout` turns a group's episodes into the GroupRollout a single-turn group would be, which is what the
 trainer carries to the learner: the prompt is the part of the initial observations all G share (normally all of it:
@@ -46,12 +46,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mint.envs.env import EnvGroupBuilder, StopCondition, Tokens
+from mint.envs.env import EnvGroupBuilder, StopCondition, StopReason, Tokens
 from mint.envs.episode import Episode, EpisodeLimits, Sample, run_group
 from mint.errors import MintError
 from mint.rollout._sampling import SamplingParams, group_seed
 from mint.rollout.backends.base import RolloutBackend
 from mint.rollout.engine import Completion, GroupRollout, RolloutEngine
+
+ENV_ENDED = (StopReason.COMPLETED, StopReason.PARSE_ERROR, StopReason.TOOL_ERROR)
 
 
 @dataclass
@@ -214,7 +216,8 @@ def group_rollout(episodes: Sequence[Episode]) -> GroupRollout:
                 tokens_R=torch.tensor(rest + ep.tokens, dtype=torch.int64),
                 logprobs_R=torch.tensor([math.nan] * len(rest) + ep.logprobs, dtype=torch.float32),
                 routes_R_L_K=routes,
-                finish_reason=ep.stop_reason.value,
+                # "stop" when the environment ended the episode, "length" when a limit of the runner's did
+                finish_reason="stop" if ep.stop_reason in ENV_ENDED else "length",
                 loss_mask_R=torch.tensor([0] * len(rest) + ep.loss_mask, dtype=torch.bool),
             )
         )
