@@ -373,12 +373,17 @@ def test_a_tiny_base_not_built_yet_is_checked_without_building_it(inputs, tmp_pa
         ("data.source=synthetic:nope", "data.source: unknown synthetic task 'nope'"),
         ("data.source={inputs}/missing.jsonl", "data.source: {inputs}/missing.jsonl: no such dataset file"),
         ("data.prompt_key=question", "data.source: {inputs}/long.jsonl: line 1: record has no 'question' key"),
+        ("env.name=nope", "env.name: unknown environment 'nope'; built-in: "),
+        ("env.name=mint.envs.retry:nope", "env.name: cannot load 'mint.envs.retry:nope'"),
+        ("env.name=retry", "env.max_tokens: 256 leaves no room for a prompt in the model's 256 positions"),
     ],
 )
 def test_more_inputs_refused(inputs, override, message):
     overrides = [override.replace("{inputs}", str(inputs.dir))]
     if override.startswith("data.prompt_key"):
         overrides.append(f"data.source={inputs.dir}/long.jsonl")
+    if override == "env.name=retry":  # an episode's tail needs room as a response does
+        overrides.append("env.max_tokens=256")
     with pytest.raises(ConfigError) as err:
         preflight(_config(inputs, *overrides))
     assert message.replace("{inputs}", str(inputs.dir)) in str(err.value) and "\n" not in str(err.value)
@@ -490,3 +495,18 @@ def test_a_new_catalog_directory_passes_and_is_not_made(inputs):
     catalog = inputs.root / "shared" / "catalog"
     preflight(_config(inputs, f"catalog.path={catalog}"))
     assert not catalog.parent.exists()
+
+
+def test_a_chat_template_that_rewrites_earlier_turns_is_refused_for_episodes(inputs, tiny_base):
+    """A template that renders only the last two messages (as templates that drop past reasoning rewrite the past)
+    would show a later turn a context its earlier turns did not have; env.name refuses it in one line."""
+    d = _model_dir(inputs, tiny_base)
+    rewriting = (
+        "{%- for message in messages[-2:] %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+        "'<|im_end|>' + '\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    (d / "chat_template.jinja").write_text(rewriting)
+    preflight(_config(inputs, f"model.path={d}"))  # one response per prompt: fine
+    with pytest.raises(ConfigError, match=r"^env.name: the chat template rewrites earlier text when message 3"):
+        preflight(_config(inputs, f"model.path={d}", "env.name=retry"))

@@ -13,7 +13,7 @@ exits with code 2. Nothing rewrites a config in place: derived values come from 
 """
 
 from mint.config.doc import config_markdown
-from mint.config.load import build_config, load_config, norm_constant, run_dir
+from mint.config.load import build_config, load_config, norm_constant, response_room, run_dir
 from mint.config.schema import (
     RESULT_NEUTRAL,
     SECTIONS,
@@ -62,5 +62,6 @@ __all__ = [
     "knob",
     "load_config",
     "norm_constant",
+    "response_room",
     "run_dir",
 ]

@@ -172,5 +172,16 @@ def run_dir(config: Config) -> Path:
 
 
 def norm_constant(config: Config) -> int:
-    """Dr.GRPO's constant normalizer per response: the most tokens a response may have."""
+    """Dr.GRPO's constant normalizer per response: the most tokens carrying loss a response may have (an episode's:
+    its actions', at most max_turns of rollout.max_tokens within the tail's env.max_tokens)."""
+    if config.env.name:
+        return min(config.env.max_tokens, config.env.max_turns * config.rollout.max_tokens)
     return config.rollout.max_tokens
+
+
+def response_room(config: Config) -> tuple[str, int]:
+    """(key, tokens): the positions a prompt must leave free, a response's (rollout.max_tokens) or an episode's tail
+    after its initial observation (env.max_tokens); the rollout actors cut prompts to fit and preflight checks."""
+    if config.env.name:
+        return "env.max_tokens", config.env.max_tokens
+    return "rollout.max_tokens", config.rollout.max_tokens

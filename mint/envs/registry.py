@@ -27,3 +27,16 @@ def resolve_env(name: str) -> Callable:
     if not callable(factory):
         raise ConfigError(f"env.name: {spec!r} is not callable")
     return factory
+
+
+def check_environment(name: str, tokenizer) -> None:
+    """Preflight for `env.name`: the factory loads, and the tokenizer's chat template is append-only, so the
+    observations an environment renders as deltas are the context the policy will see (mint.envs.chat). One line
+    (ConfigError) otherwise."""
+    from mint.envs.chat import TemplateNotAppendOnly, check_append_only
+
+    resolve_env(name)
+    try:
+        check_append_only(tokenizer)
+    except TemplateNotAppendOnly as err:
+        raise ConfigError(f"env.name: {err}") from None

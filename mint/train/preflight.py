@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mint.config import Config
+from mint.config import Config, response_room
 from mint.errors import ConfigError, DataError, MintError, RewardError
 from mint.rl.data import Dataset, FileDataset, eval_examples, load_dataset
 from mint.rl.reward_set import RewardSet
@@ -93,6 +93,7 @@ def preflight(config: Config) -> Preflight:
     held_out, eval_stream = _eval_examples(config)
     _call_reward(rewards, examples[0])
     # From here on torch and transformers are imported (the tokenizer, and the rollout actor's prompt rendering).
+    from mint.envs.registry import check_environment
     from mint.models.quant_checkpoint import resolve_quantization
     from mint.rollout.prompts import prompt_tokens, stop_token_ids
 
@@ -106,6 +107,8 @@ def preflight(config: Config) -> Preflight:
             "they do not belong together"
         )
     stop_token_ids(tokenizer, config.rollout.stop_tokens)
+    if config.env.name:  # the environment loads, and the chat template renders observations as deltas
+        check_environment(config.env.name, tokenizer)
     if config.learner.expert_parallel > 1:
         check_expert_parallel(config, _model_config(model))
     if config.grpo.r3:
@@ -120,11 +123,11 @@ def preflight(config: Config) -> Preflight:
         with warnings.catch_warnings(), _quiet("transformers"), _quiet("peft"):
             warnings.simplefilter("ignore")
             engine_adapter_layout(config, model_config, engine_adapter_config(config, model_config, model.path))
-    limit = model.max_positions - config.rollout.max_tokens  # most prompt tokens that leave room for a response
+    key, room = response_room(config)
+    limit = model.max_positions - room  # most prompt tokens that leave room for a response (an episode's tail)
     if limit < 1:
         raise ConfigError(
-            f"rollout.max_tokens: {config.rollout.max_tokens} leaves no room for a prompt in the model's "
-            f"{model.max_positions} positions; lower it"
+            f"{key}: {room} leaves no room for a prompt in the model's {model.max_positions} positions; lower it"
         )
     with _quiet("transformers"):  # its "sequence length is longer than" warning would be a second stderr line
         rendered = [prompt_tokens(tokenizer, ex, config.data.system_prompt) for ex in examples]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mint.config import Config
+from mint.config import Config, response_room
 from mint.envs.registry import resolve_env
 from mint.errors import MintError
 from mint.rl.tasks import Example
@@ -78,7 +78,7 @@ class RolloutActor:
         # Prompt tokens that leave room for max_tokens in the model's positions (preflight checked the data set);
         # an episode's room is its whole tail (env.max_tokens).
         self.max_positions = max_positions
-        self.max_prompt = max_positions - (config.env.max_tokens if config.env.name else r.max_tokens)
+        self.max_prompt = max_positions - response_room(config)[1]
         self.env_factory = resolve_env(config.env.name) if config.env.name else None
 
     def _start_builtin(self, config: Config, model_path: str) -> int:
