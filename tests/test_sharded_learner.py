@@ -94,6 +94,15 @@ def _groups(experts: list[int], n: int = 2) -> list[GroupBatch]:
     return [_group(1 + i, p, lengths, 2, experts) for i, (p, lengths) in enumerate(shapes[:n])]
 
 
+def _as_episodes(group: GroupBatch) -> GroupBatch:
+    """The group's responses as episode tails: every third token from the second on is an observation token (no
+    loss, NaN rollout logprob), the rest sampled (mint.rollout.episodes)."""
+    masks = [torch.arange(len(r)) % 3 != 1 for r in group.responses]
+    nan = torch.tensor(float("nan"))
+    logprobs = [torch.where(m, lp, nan) for m, lp in zip(masks, group.rollout_logprobs, strict=True)]
+    return dataclasses.replace(group, rollout_logprobs=logprobs, loss_masks=masks)
+
+
 def _adapter_bytes(path: str) -> bytes:
     """A trained-looking adapter (PEFT's seeded A, a non-zero B: B = 0 would hide a wrong B mapping), as
     `lora.init` bytes, so every learner starts from it (the EP ranks through `load_full_lora_state`)."""
@@ -397,12 +406,13 @@ def test_cp2_learner_equals_the_single_rank_learner(tmp_path, family):
 @pytest.mark.slow
 def test_ep2_cp2_learner_on_4_ranks_equals_the_single_rank_learner(tmp_path):
     """EP=2 x CP=2 on 4 ranks: EP groups {0, 1}, {2, 3} and CP groups {0, 2}, {1, 3}, so two replicas (ranks 0 and 2
-    run group A, 1 and 3 group B), each EP group holding both. Against 1 rank running both groups."""
+    run group A, 1 and 3 group B), each EP group holding both. Against 1 rank running both groups. The groups are
+    multi-turn episodes (masked tails), so the sharded steps' lockstep stand-ins and CP pages carry the loss mask."""
     from conftest import build_random_tiny
 
     path = build_random_tiny("qwen3_moe", str(tmp_path / "qwen3_moe"))
     init = _adapter_bytes(path)
-    groups = _groups(experts=[0, 1, 2, 3], n=2)
+    groups = [_as_episodes(g) for g in _groups(experts=[0, 1, 2, 3], n=2)]
     sharded = run_learners(tmp_path, 4, _cp_rank, path, 2, 2, init, groups)
     (single,) = run_learners(tmp_path, 1, _cp_rank, path, 1, 1, init, groups)
     _check_cp_against_single(sharded, single, world=4, cp=2)
