@@ -222,6 +222,39 @@ def engine_python() -> Path:
 RUN_MARK_VAR = "MINT_TEST_RUN_MARK"
 
 
+ENGINE_SCRIPTS = Path(__file__).resolve().parent / "engine_scripts"
+
+
+def run_engine_script(engine_python: Path, script: str, payload, workdir: Path, timeout: float = 300.0) -> dict:
+    """Run tests/engine_scripts/`script` in the engine virtualenv, `payload` as JSON on stdin; its JSON report (the
+    last line of its stdout). Offline, one thread, no usage reports."""
+    import json
+    import subprocess
+
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    # Mint's tree must stay off the engine's path: its top-level `kernels` package would shadow the `kernels`
+    # package transformers probes for, and the engine's import fails inside transformers.
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(
+        [str(engine_python), str(ENGINE_SCRIPTS / script)],
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        cwd=workdir,
+        env=env,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip(), f"{script} failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def new_run_mark() -> str:
     """A fresh value for RUN_MARK_VAR. Put run_mark_env(mark) in the environment of the process that starts Ray, before
     it does: the raylet inherits it, every worker the raylet starts (restarted actors too) and whatever they start."""

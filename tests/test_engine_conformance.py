@@ -17,14 +17,12 @@ docstrings; nothing is downloaded (the bases are config.json files, vLLM builds 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_engine_script
 from transformers import AutoConfig
 
 from mint.config import load_config
@@ -33,7 +31,6 @@ from mint.rollout.backends.base import decode_int32, decode_npy, split_routes
 from mint.train.engine_launch import launch_argv, lora_modules
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = Path(__file__).resolve().parent / "engine_scripts"
 VOCAB = 97
 # The architecture each saved config names: the engines pick their model class by it (vLLM reads a config without
 # one as an embedding model).
@@ -51,7 +48,6 @@ RANKS = (4, 8, 24, 64, 512)
 # A qwen3_moe with more experts than uint8 holds: vLLM then sends its routes as uint16.
 WIDE = {"num_experts": 320}
 NUM_PROMPT, NUM_RESPONSE = 4, 3
-SCRIPT_TIMEOUT_S = 300
 # Four subprocesses in the engine virtualenv, each importing vLLM or SGLang (~10 s on 2 cores before any check), and
 # `make test-fast` installs no engines: the full suite only. Mint's side of the launch lines is in test_engines.py.
 pytestmark = pytest.mark.slow
@@ -63,32 +59,6 @@ def save_base(directory: Path, family: str, **overrides) -> str:
     config.architectures = [ARCHITECTURES[family]]
     config.save_pretrained(directory)
     return str(directory)
-
-
-def run_script(engine_python: Path, script: str, cases: list[dict], workdir: Path) -> dict:
-    """Run tests/engine_scripts/`script` in the engine virtualenv on `cases` (JSON on stdin); its JSON report."""
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    # Mint's tree must stay off the engine's path: its top-level `kernels` package would shadow the `kernels`
-    # package transformers probes for, and the engine's import fails inside transformers.
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run(
-        [str(engine_python), str(SCRIPTS / script)],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        cwd=workdir,
-        env=env,
-        timeout=SCRIPT_TIMEOUT_S,
-    )
-    assert proc.returncode == 0 and proc.stdout.strip(), f"{script} failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +86,7 @@ def launch_report(engine_python, bases, tmp_path_factory, backend: str, script: 
         for family in FAMILIES
         for rank in RANKS
     ]
-    return run_script(engine_python, script, cases, tmp_path_factory.mktemp(f"{backend}-launch"))
+    return run_engine_script(engine_python, script, cases, tmp_path_factory.mktemp(f"{backend}-launch"))
 
 
 @pytest.fixture(scope="module")
@@ -215,12 +185,14 @@ def route_cases(bases: dict[str, str], dense: bool = False) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def vllm_routes(engine_python, bases, tmp_path_factory) -> dict:
-    return run_script(engine_python, "routes_vllm.py", route_cases(bases, dense=True), tmp_path_factory.mktemp("vr"))
+    return run_engine_script(
+        engine_python, "routes_vllm.py", route_cases(bases, dense=True), tmp_path_factory.mktemp("vr")
+    )
 
 
 @pytest.fixture(scope="module")
 def sglang_routes(engine_python, bases, tmp_path_factory) -> dict:
-    return run_script(engine_python, "routes_sglang.py", route_cases(bases), tmp_path_factory.mktemp("sr"))
+    return run_engine_script(engine_python, "routes_sglang.py", route_cases(bases), tmp_path_factory.mktemp("sr"))
 
 
 def layout_of(name: str):

@@ -11,11 +11,8 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-
 import pytest
+from conftest import run_engine_script
 
 from mint.envs.tool_calls import (
     FAMILY_FORMAT,
@@ -260,58 +257,6 @@ def test_check_arguments_names_a_mismatched_tool():
 
 # ---- vLLM's own parsers on the same text ----
 
-# Runs in the engine virtualenv: reads {"tools": [...], "cases": [{"parser", "text"}]} on stdin and prints, per case,
-# the calls ([name, arguments]) and content vLLM's parser of that name finds; "registered" lists its parser names.
-VLLM_PARSE = r"""
-import json, sys
-from tokenizers import Tokenizer, models
-from transformers import PreTrainedTokenizerFast
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-from vllm.tool_parsers import ToolParserManager
-
-job = json.load(sys.stdin)
-# The parsers look their markers up in the vocabulary (DeepSeek-V3.1's refuses to start without them).
-markers = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
-           "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<|tool_calls_section_begin|>",
-           "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"]
-tokenizer = PreTrainedTokenizerFast(
-    tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")), unk_token="<unk>"
-)
-tokenizer.add_special_tokens({"additional_special_tokens": markers})
-request = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=job["tools"])
-results = []
-for case in job["cases"]:
-    parser = ToolParserManager.get_tool_parser(case["parser"])(tokenizer, job["tools"])
-    found = parser.extract_tool_calls(case["text"], request)
-    calls = [[c.function.name, json.loads(c.function.arguments)] for c in found.tool_calls]
-    results.append({"calls": calls, "content": found.content or ""})
-print(json.dumps({"registered": sorted(ToolParserManager.list_registered()), "results": results}))
-"""
-
-
-def run_vllm_parsers(engine_python, cases: list[dict], workdir) -> dict:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    env.pop("PYTHONPATH", None)  # Mint's tree off the engine's path (its `kernels` package shadows another)
-    job = json.dumps({"tools": [tool.openai() for tool in TOOLS], "cases": cases})
-    proc = subprocess.run(
-        [str(engine_python), "-c", VLLM_PARSE],
-        input=job,
-        capture_output=True,
-        text=True,
-        cwd=workdir,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0 and proc.stdout.strip(), f"vLLM's parsers failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
 
 @pytest.mark.slow
 def test_vllm_parsers_read_what_we_render(engine_python, tmp_path):
@@ -320,7 +265,8 @@ def test_vllm_parsers_read_what_we_render(engine_python, tmp_path):
     jobs = [(fmt, content, calls) for fmt in FORMATS for content, calls in CASES if calls]
     texts = [render_turn(fmt, calls, content) for fmt, content, calls in jobs]
     cases = [{"parser": fmt, "text": text} for (fmt, _, _), text in zip(jobs, texts, strict=True)]
-    report = run_vllm_parsers(engine_python, cases, tmp_path)
+    job = {"tools": [tool.openai() for tool in TOOLS], "cases": cases}
+    report = run_engine_script(engine_python, "tool_parsers_vllm.py", job, tmp_path)
     assert set(FORMATS) <= set(report["registered"])
     for (fmt, content, calls), text, vllm in zip(jobs, texts, report["results"], strict=True):
         ours = parse_tool_calls(fmt, text, TOOLS)
