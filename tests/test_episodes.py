@@ -188,7 +188,7 @@ class TeacherForced:
 
 
 def test_sampled_ids_that_do_not_survive_decode_and_encode_stay_as_sampled():
-    """"a" then "r" sampled as two tokens decode to "ar", which the tokenizer encodes as one token. The retry
+    """The ids of "a" then "r", sampled as two tokens, decode to "ar", which the tokenizer encodes as one. The retry
     environment reads the text (it must: it checks the answer), but the record keeps the two sampled ids, and the
     feedback after them is the template's delta, not a re-encoding of the conversation."""
     from mint.envs.retry import FEEDBACK, retry
