@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from mint.errors import ConfigError
 
-BUILT_IN = {"retry": "mint.envs.retry:retry"}
+BUILT_IN = {"retry": "mint.envs.retry:retry", "python": "mint.envs.python_tool:python"}
 
 
 def resolve_env(name: str) -> Callable:
