@@ -23,6 +23,7 @@ TEST_SECONDS = {
     "test_a_hybrid_base_trains_exactly_as_the_naive_step": 95,
     "test_longstraw_modes_train_through_ray": 80,
     "test_retry_recipe_learns_from_multi_turn_episodes": 80,
+    "test_tool_use_recipe_learns_to_call_the_tool": 45,
 }
 FILE_SECONDS = {
     "test_reliability.py": 650,

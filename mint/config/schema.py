@@ -82,7 +82,8 @@ class DataConfig:
 class EnvConfig:
     name: str = knob(
         "",
-        "Multi-turn episodes: a built-in environment (retry) or pkg.module:fn, called as fn(example, tokenizer, "
+        "Multi-turn episodes: a built-in environment (retry, lookup, python) or pkg.module:fn, called as "
+        "fn(example, tokenizer, "
         "config, prompt_ids, stop) for each prompt's EnvGroupBuilder (mint.envs); the environment gives the rewards. "
         "Empty: one response per prompt, scored by data.reward.",
     )

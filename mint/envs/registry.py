@@ -7,7 +7,11 @@ from collections.abc import Callable
 
 from mint.errors import ConfigError
 
-BUILT_IN = {"retry": "mint.envs.retry:retry", "python": "mint.envs.python_tool:python"}
+BUILT_IN = {
+    "retry": "mint.envs.retry:retry",
+    "python": "mint.envs.python_tool:python",
+    "lookup": "mint.envs.lookup:lookup",
+}
 
 
 def resolve_env(name: str) -> Callable:
