@@ -19,7 +19,6 @@ from mint.models.tiny import ensure_tiny
 from mint.rl.tasks import Example
 
 EXAMPLE = Example("What is the first digit of 7 1 2?", "7")
-SHIPPED = os.path.join(os.path.dirname(tiny_ship.SHIPPED_DIR), "tiny_tool_bases", "qwen3_moe-lookup")
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +100,17 @@ def test_a_second_call_runs_into_the_turn_limit_at_reward_zero(tokenizer):
     assert ep.stop_reason is StopReason.MAX_TURNS and ep.reward == 0.0
 
 
-def test_shipped_tool_base_matches_its_manifest():
-    """The recipe's base: every file has its manifest's sha256, and it continues the shipped tiny:qwen3_moe."""
-    manifest = tiny_ship.read_manifest(SHIPPED)
-    assert set(os.listdir(SHIPPED)) == {*manifest["sha256"], tiny_ship.MANIFEST}
-    assert tiny_ship.matches(SHIPPED, manifest["sha256"])
-    base = tiny_ship.read_manifest(ensure_tiny("qwen3_moe"))["sha256"]
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3"])
+def test_shipped_tool_base_matches_its_manifest(family):
+    """The recipe's bases (qwen3_moe for the built-in engine, dense qwen3 for vLLM): every file has its manifest's
+    sha256, and each continues the shipped tiny base of its family."""
+    from mint.models.tiny_tools import shipped_dir
+
+    shipped = shipped_dir(family)
+    manifest = tiny_ship.read_manifest(shipped)
+    assert set(os.listdir(shipped)) == {*manifest["sha256"], tiny_ship.MANIFEST}
+    assert tiny_ship.matches(shipped, manifest["sha256"]) and manifest["base"] == f"tiny:{family}"
+    base = tiny_ship.read_manifest(ensure_tiny(family))["sha256"]
     assert manifest["base_sha256"] == base["model.safetensors"]
     assert manifest["sha256"]["tokenizer.json"] == base["tokenizer.json"]
 

@@ -34,8 +34,16 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from mint.models import tiny_ship
 from mint.models.tiny import _deterministic, ensure_tiny
 
-SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_tool_bases", "qwen3_moe-lookup")
 BASE = "qwen3_moe"
+# qwen3_moe for the built-in engine; qwen3 (dense) for vLLM's CPU build, which serves LoRA on dense bases only.
+BASES = ("qwen3_moe", "qwen3")
+
+
+def shipped_dir(base: str = BASE) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_tool_bases", f"{base}-lookup")
+
+
+SHIPPED = shipped_dir()
 CALL_RATE = 0.35  # start of RL: about 0.35 * 1 + 0.65 * 0.1 = 0.42 expected reward, headroom 0.58
 # 400 steps at lr 2e-3 left the key half-copied (measured: calls 0.29, key right in 0.54 of them, 5% unreadable);
 # 1200 at 3e-3 (160-230 s on 1 thread) gave calls 0.345, key and value right in every one, none unreadable.
@@ -177,9 +185,9 @@ def measure(model: PreTrainedModel, tokenizer, n: int = 200, seed: int = 1) -> d
     }
 
 
-def build(directory: str, steps: int = STEPS) -> dict:
-    """Continue the shipped qwen3_moe base on lookup episodes (module docstring) and save it into `directory`."""
-    source = ensure_tiny(BASE)
+def build(directory: str, steps: int = STEPS, base: str = BASE) -> dict:
+    """Continue the shipped `tiny:<base>` on lookup episodes (module docstring) and save it into `directory`."""
+    source = ensure_tiny(base)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(source)
     rng = random.Random(f"mint-tiny-tools-{SEED}")
     with _deterministic(SEED):
@@ -206,7 +214,7 @@ def build(directory: str, steps: int = STEPS) -> dict:
             shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
     digests = {n: tiny_ship.file_sha256(os.path.join(directory, n)) for n in sorted(os.listdir(directory))}
     manifest = {
-        "base": f"tiny:{BASE}",
+        "base": f"tiny:{base}",
         "base_sha256": tiny_ship.read_manifest(source)["sha256"]["model.safetensors"],
         "recipe": {"call_rate": CALL_RATE, "steps": steps, "batch_size": BATCH, "lr": LR, "seed": SEED},
         "pretrain_seconds": round(seconds, 1),
@@ -221,14 +229,16 @@ def build(directory: str, steps: int = STEPS) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mint.models.tiny_tools", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=SHIPPED, help="folder to write (default: the shipped one)")
+    parser.add_argument("--base", default=BASE, choices=BASES, help="the tiny base to continue")
+    parser.add_argument("--out", default=None, help="folder to write (default: the base's shipped one)")
     parser.add_argument("--steps", type=int, default=STEPS)
     args = parser.parse_args(argv)
+    args.out = args.out or shipped_dir(args.base)
     parent = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tiny-tools.tmp-", dir=parent)
     try:
-        print(build(tmp, args.steps))
+        print(build(tmp, args.steps, args.base))
         os.chmod(tmp, 0o755)  # mkdtemp's and mkstemp's 0700/0600 would ship as they are
         for name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, name), 0o644)

@@ -17,10 +17,15 @@ from mint.errors import ConfigError
 # an fp32 checkpoint in bf16), routed experts on an MoE base (vLLM refuses the flag on a dense one: "No supported MoE
 # router found for routed-experts capture"). `vllm serve` replaces the deprecated `python -m
 # vllm.entrypoints.openai.api_server`; engines.path puts a vLLM installed in a virtualenv of its own first.
+# {cpu_only}: on an engine without GPUs (ray.rollout_gpus = 0), --no-enable-chunked-prefill. vLLM's CPU build (0.32)
+# rewinds a seeded request's generator when a step samples for a prefill it has only partly run, and a CPU generator
+# has no offset to rewind: the server dies ("CPU Generator does not use offset"). Mint seeds every request, and
+# episodes send many long contexts at once, which the scheduler chunks.
 DEFAULT_COMMANDS = {
     "vllm": (
         "vllm serve {model} --host {host} --port {port} --dtype {dtype} --tensor-parallel-size {tp} --enable-lora "
-        "--max-lora-rank {max_lora_rank} --max-loras 2 {routed_experts} --logprobs-mode processed_logprobs"
+        "--max-lora-rank {max_lora_rank} --max-loras 2 {routed_experts} --logprobs-mode processed_logprobs "
+        "{cpu_only}"
     ),
     "sglang": (
         "{python} -m sglang.launch_server --model-path {model} --host {host} --port {port} --dtype {dtype} "
@@ -29,6 +34,7 @@ DEFAULT_COMMANDS = {
     ),
 }
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"  # vLLM's and SGLang's alike
+NO_CHUNKED_PREFILL = "--no-enable-chunked-prefill"
 # vLLM's --max-lora-rank takes only these (vllm/config/lora.py, MaxLoRARanks, as of vLLM 0.32).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # SGLang's --lora-target-modules takes only these, or "all" (sglang/srt/utils/common.py,
@@ -95,8 +101,9 @@ def launch_argv(config: Config, values: dict) -> list[str]:
             sparse-MoE; default True): {routed_experts} is --enable-return-routed-experts only for an MoE base. A
             value given here for any other placeholder replaces the config's.
 
-    A word that is exactly {lora_modules} or {routed_experts} becomes one argv word per item (none at all for
-    {routed_experts} on a dense base); inside a longer word the items are joined by spaces. Raises ConfigError for a
+    {cpu_only} is --no-enable-chunked-prefill for an engine without GPUs (ray.rollout_gpus = 0), else nothing.
+    A word that is exactly {lora_modules}, {routed_experts} or {cpu_only} becomes one argv word per item (none at
+    all for an empty one); inside a longer word the items are joined by spaces. Raises ConfigError for a
     value the engine would refuse (`check_launch`). Needs no Ray and starts nothing.
     """
     check_launch(config)
@@ -111,6 +118,7 @@ def launch_argv(config: Config, values: dict) -> list[str]:
         "index": 0,
         **{k: v for k, v in values.items() if k != "moe"},
         "routed_experts": [ROUTED_EXPERTS_FLAG] if values.get("moe", True) else [],
+        "cpu_only": [NO_CHUNKED_PREFILL] if config.ray.rollout_gpus == 0 else [],
     }
     joined = {k: " ".join(map(str, v)) if isinstance(v, list | tuple) else v for k, v in fill.items()}
     argv = []
