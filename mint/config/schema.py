@@ -152,7 +152,8 @@ class EnginesConfig:
         "engines.start: each server's launch line; {python} {model} {host} {port} {tp} {dtype} {max_lora_rank} "
         "(vllm: lora.rank rounded up to a rank vLLM accepts) {lora_modules} (LoRA's modules, per-expert names "
         "included; several words) {routed_experts} (--enable-return-routed-experts on an MoE base, else nothing) "
-        "{cpu_only} (--no-enable-chunked-prefill on an engine without GPUs) {adapter_dir} {index} are filled in. Empty: the backend's vLLM / SGLang line (docs/rollout.md).",
+        "{cpu_only} (--no-enable-chunked-prefill on an engine without GPUs) {adapter_dir} {index} are filled in. "
+        "Empty: the backend's vLLM / SGLang line (docs/rollout.md).",
     )
     path: str = knob(
         "",
