@@ -191,3 +191,24 @@ def test_engine_episodes_train_the_same_in_both_inner_steps_with_their_routes_re
     torch.testing.assert_close(_lora_grads(learner), naive, atol=1e-6, rtol=1e-4)
     for a, b in zip(ls_logp, naive_logp, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_the_plan_balances_ranks_by_what_they_replay_and_counts_only_sampled_tokens():
+    """plan_step: a rank's load is the tokens it replays (episode tails whole), the aggregation's total the tokens
+    that carry loss. Group A replays 14 tokens of which 9 carry loss; B 9, all sampled; C 6, all sampled."""
+    from mint.train.step import plan_step
+
+    episodes = _episodes(97, with_routes=False)
+    plain = [
+        GroupBatch(
+            episodes.prompt_tokens_P,
+            [torch.arange(n) for n in lengths],
+            [torch.zeros(n) for n in lengths],
+            torch.zeros(len(lengths)),
+        )
+        for lengths in ([4, 5], [3, 3])
+    ]
+    plans = plan_step([episodes, *plain], world_size=2)
+    assert {p.total_tokens for p in plans} == {9 + 9 + 6} and {p.total_seqs for p in plans} == {6}
+    # A (14 replayed) alone on one rank, B (9) and C (6) on the other: by loss tokens A (9) would have tied B
+    assert [[sum(m.group.lengths) for m in p.micro_steps if m.real] for p in plans] == [[14], [9, 6]]

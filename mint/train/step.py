@@ -170,7 +170,7 @@ def plan_step(
     if context_parallel > 1:
         plans = plan_step(groups, data_parallel_size(world_size, context_parallel), step)
         return replicate_plans(plans, world_size, context_parallel, expert_parallel)
-    tokens = [sum(g.loss_lengths) for g in groups]  # the tokens that carry loss: the aggregation's count
+    tokens = [sum(len(r) for r in g.responses) for g in groups]  # what a rank replays (episode tails whole)
     loads = [0] * world_size
     assigned: list[list[GroupBatch]] = [[] for _ in range(world_size)]
     for i in sorted(range(len(groups)), key=lambda i: -tokens[i]):
@@ -178,7 +178,9 @@ def plan_step(
         assigned[rank].append(groups[i])
         loads[rank] += tokens[i]
     n_micro = max(len(a) for a in assigned)
-    total_tokens, total_seqs = sum(tokens), sum(len(g.responses) for g in groups)
+    # The aggregation counts the tokens that carry loss: an episode's observation tokens are context only.
+    total_tokens = sum(sum(g.loss_lengths) for g in groups)
+    total_seqs = sum(len(g.responses) for g in groups)
     return [
         StepPlan(
             [MicroStep(g, True) for g in a] + [MicroStep(groups[0], False)] * (n_micro - len(a)),
