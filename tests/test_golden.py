@@ -142,7 +142,7 @@ def _with_advantages(golden: dict, monkeypatch, eps: float | None) -> dict:
     for s in out["steps"]:
         rewards_B_G = torch.tensor(s["rewards"], dtype=torch.float32)
         results = [
-            SimpleNamespace(example=SimpleNamespace(prompt="", answer=""), responses=[""] * len(g))
+            SimpleNamespace(example=SimpleNamespace(prompt="", answer=""), responses=[""] * len(g), episodes=None)
             for g in s["rewards"]
         ]
         s |= advantage_figures([row["advantage"] for row in sample_rows(config, s["step"], results, rewards_B_G)])
