@@ -5,8 +5,8 @@ one is told "Wrong. Try again." as a user message, and the model answers again, 
 reward is 1 for a first-turn answer and halves with each retry (0.5, 0.25, ...): trying again is worth something,
 getting it right at once more, so a policy learns both to use the feedback and to need it less.
 
-It needs no tool and runs on every tiny base: they were pretrained on the built-in tasks' single-turn chats, which is
-enough for the second answer to condition on the first one's being wrong.
+It needs no tool, so any base with a chat template can run it; recipes/retry_cpu.toml trains tiny:qwen3_moe, whose
+pretraining on the built-in tasks' single-turn chats is enough for a later answer to differ from a wrong one.
 """
 
 from __future__ import annotations

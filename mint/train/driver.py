@@ -87,7 +87,6 @@ class Run:
     out: Path
     model_path: str
     init_lora: bytes | None
-    started_ray: bool
     interrupt: Interrupt
     t_start: float
 
@@ -110,7 +109,7 @@ def train(config: Config, resume: bool = False, checked: Preflight | None = None
         try:
             local = start_ray(config)
             wire.register()  # the step's tensors cross Ray as numpy buffers (mint.train.wire)
-            run = Run(config, out, model_path, init_lora, local is not None, interrupt, t_start)
+            run = Run(config, out, model_path, init_lora, interrupt, t_start)
             return _with_restarts(run)
         finally:  # the processes this run started go with it: normal end, error or Ctrl-C
             if local is not None:
