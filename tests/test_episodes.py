@@ -153,7 +153,7 @@ def test_an_engine_error_reaches_every_waiting_episode_and_every_env_is_closed(b
     assert [env.closed for env in envs] == [1, 1]
 
 
-def test_an_moe_episode_records_one_route_row_per_position_from_the_forward_that_computed_it():
+def test_an_moe_episode_records_the_route_of_every_position():
     """R3 over the whole episode: the policy's rows for the prompt, the actions and the observations, joined, equal
     the routes of one full forward over the episode (the engine's prefill and decode route as a full forward does)."""
     path = ensure_tiny("qwen3_moe")
