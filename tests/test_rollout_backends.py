@@ -294,6 +294,46 @@ def test_an_engine_that_is_down_is_one_clear_line(world):
         build_config({"rollout": {"backend": "vllm", "num_actors": 2}, "engines": {"urls": [world["url"]]}})
 
 
+def test_an_idle_connection_is_dropped_before_the_engines_server_closes_it():
+    """uvicorn, under vLLM and SGLang, closes a connection idle for 5 s (`timeout_keep_alive`); a request sent on it
+    at that moment fails with "Server disconnected without sending a response" (a vLLM run failed so between two
+    steps). The backend reuses a connection while it is fresh and opens a new one once it has idled KEEPALIVE_S,
+    well before any engine closes it: the server sees each request's client port."""
+    from mint.rollout.backends.base import KEEPALIVE_S
+
+    app = FastAPI()
+
+    @app.get("/health")
+    def health(request: Request) -> dict:
+        return {"port": request.client.port}
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", timeout_keep_alive=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}"
+        backend = http_backend("vllm", [url], None, timeout=5)
+
+        def client_port() -> int:
+            return backend._request("GET", url, "/health").json()["port"]
+
+        first = client_port()
+        assert client_port() == first  # a fresh connection is reused
+        time.sleep(KEEPALIVE_S + 0.5)  # idle past the pool's expiry, still inside the server's 5 s
+        assert client_port() != first
+        assert KEEPALIVE_S <= 5 - 2  # margin for a request's own latency on a loaded machine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 # ---- an SGLang-format server ----------------------------------------------------------------------------------------
 
 

@@ -72,6 +72,13 @@ def _one_line(text: str, limit: int = 160) -> str:
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
+# How long an idle pooled connection may be reused. vLLM's and SGLang's HTTP servers (uvicorn) close a connection
+# idle for 5 s, httpx's own default; a request sent on a connection at the moment its server closes it fails with
+# "Server disconnected without sending a response", and a run's steps are often about that far apart (a learner step
+# plus the adapter load). Dropping idle connections well before any server does makes every reuse safe.
+KEEPALIVE_S = 2.0
+
+
 class HttpBackend(RolloutBackend):
     """Engines behind HTTP: a client with timeouts, a health check, and groups spread over the engines."""
 
@@ -82,7 +89,10 @@ class HttpBackend(RolloutBackend):
             raise EngineError(f"rollout.backend = {self.name}: no engine; list the servers in engines.urls")
         self.urls = [u.rstrip("/") for u in urls]
         self.layout = layout
-        self.client = httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)))
+        self.client = httpx.Client(
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
+        )
         self._next = 0  # round-robin position: consecutive calls start on the next engine
 
     # ---- requests -----------------------------------------------------------------------------------------------
