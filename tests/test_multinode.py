@@ -102,6 +102,20 @@ def test_a_relative_run_root_is_refused_in_a_ray_job_copy(tmp_path):
     assert "absolute" in lines[0] and list(copy.iterdir()) == []
 
 
+def test_on_a_local_ray_the_drivers_node_is_checked_in_the_driver_and_nothing_is_shipped(tmp_path):
+    """A run that started its own Ray has one node, this machine: its check is the directory check of the model
+    the driver built (`check_node` called here, no task), and the tiny base's files are not put into Ray's object
+    store. The other nodes' checks and shipping run in the two-node tests below."""
+    from mint.models.tiny import ensure_tiny
+    from mint.train.nodes import check_node, node_checks
+
+    path = ensure_tiny("qwen3_moe")
+    checks = node_checks(_config("learner.num_ranks=2"), path, {"n0": "node 0"}, {"n0"}, tmp_path, local="n0")
+    assert checks.args == {"n0": ("dir", path, None, None)} and checks.probe_file is None
+    assert checks.paths([("n0", check_node(*checks.args["n0"]))]) == {"n0": path}
+    assert list(tmp_path.iterdir()) == []  # no probe file: the learner ranks are on the driver's node
+
+
 # ---- the placement planner ------------------------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ watchdog that notices a node leaving.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 import psutil
 import ray
+from ray.runtime_context import get_runtime_context
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -231,14 +233,17 @@ def check_nodes(config: Config, placement: Placement, model_path: str, run_dir) 
     nodes, see the run directory; one line naming the node when not. One task per node, pinned to it
     (mint.train.nodes). Returns node id -> the model path its actors load."""
     learner_nodes = set(placement.nodes(placement.layout.learners))
-    checks = node_checks(config, model_path, placement.names, learner_nodes, run_dir)
+    here = None if config.ray.address else get_runtime_context().get_node_id()  # a local Ray: checked in the driver
+    checks = node_checks(config, model_path, placement.names, learner_nodes, run_dir, local=here)
     task = ray.remote(num_cpus=0, max_retries=0)(check_node)
     try:
         futures = {
             node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(*args)
             for node, args in checks.args.items()
+            if node != here
         }
-        return checks.paths((node, ray.get(future)) for node, future in futures.items())
+        answers = [(here, check_node(*checks.args[here]))] if here in checks.args else []
+        return checks.paths(itertools.chain(answers, ((node, ray.get(future)) for node, future in futures.items())))
     finally:
         checks.close()
 

@@ -18,6 +18,10 @@ seconds with one line naming the node:
 `python -m mint.train.nodes wait --address HOST:PORT --nodes N [--gpus G] [--timeout S]` (launch/wait_for_nodes.sh)
 polls the cluster until N nodes with G GPUs in all have joined, or fails after S seconds with one line naming what is
 missing.
+
+On a Ray this process started (no `ray.address`) the driver's node is this machine, and its check runs in the
+driver: the model is already where the driver put it, and a task would cost a worker process of its own (its
+start-up and imports: about 1.5 s of a 1-step smoke run's 29 on 2 cores, on every run and every test that trains).
 """
 
 from __future__ import annotations
@@ -213,19 +217,27 @@ class NodeChecks:
 
 
 def node_checks(
-    config: Config, model_path: str, nodes: dict[str, str], learner_nodes: set[str], run_dir: Path | None
+    config: Config,
+    model_path: str,
+    nodes: dict[str, str],
+    learner_nodes: set[str],
+    run_dir: Path | None,
+    local: str | None = None,
 ) -> NodeChecks:
     """Prepare the check of every node that will host an actor (and for a tiny base, its shipping). `nodes`: node id
     -> its name for messages. `model_path` is the driver's (driver_model_path); `learner_nodes` the nodes of learner
-    ranks, whose view of `run_dir` is checked when they are not the driver's node (a probe file written here)."""
+    ranks, whose view of `run_dir` is checked when they are not the driver's node (a probe file written here).
+    `local`: the driver's node when its check runs in the driver (a local Ray): there the model is the directory
+    `model_path`, a tiny base included (built here), and nothing is shipped."""
     spec = config.model.path
     if spec.startswith("tiny:"):
-        # Stored once, fetched by each node: a top-level task argument, so Ray hands the task its value.
-        payload = ray.put((os.path.basename(model_path.rstrip("/")), tree_digest(model_path), _read_tree(model_path)))
-        kind = "tiny"
+        kind, payload = "tiny", None
+        if set(nodes) - {local}:  # stored once, fetched by each node: a top-level task argument, so Ray resolves it
+            name = os.path.basename(model_path.rstrip("/"))
+            payload = ray.put((name, tree_digest(model_path), _read_tree(model_path)))
     else:
         kind, spec, payload = ("dir" if os.path.isabs(model_path) else "hub"), model_path, None
-    here = get_runtime_context().get_node_id()
+    here = local or get_runtime_context().get_node_id()
     checks = NodeChecks({}, dict(nodes))
     probe = None
     if run_dir is not None and learner_nodes - {here}:
@@ -235,6 +247,8 @@ def node_checks(
     checks.args = {
         node: (kind, spec, payload, probe if node in learner_nodes and node != here else None) for node in nodes
     }
+    if local in checks.args:
+        checks.args[local] = ("dir", model_path, None, None)
     return checks
 
 
