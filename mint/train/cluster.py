@@ -230,8 +230,9 @@ def start_cluster(config: Config, placement: Placement, model_path: str, init_lo
 
 def check_nodes(config: Config, placement: Placement, model_path: str, run_dir) -> dict[str, str]:
     """Before any actor: every node of the layout must hold the model (a tiny base is shipped) and, for learner
-    nodes, see the run directory; one line naming the node when not. One task per node, pinned to it
-    (mint.train.nodes). Returns node id -> the model path its actors load."""
+    nodes, see the run directory; one line naming the node when not. One task per node, pinned to it, except the
+    driver's own node on a Ray this process started, checked here (mint.train.nodes). Returns node id -> the model
+    path its actors load."""
     learner_nodes = set(placement.nodes(placement.layout.learners))
     here = None if config.ray.address else get_runtime_context().get_node_id()  # a local Ray: checked in the driver
     checks = node_checks(config, model_path, placement.names, learner_nodes, run_dir, local=here)
