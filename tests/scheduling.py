@@ -12,32 +12,43 @@ from pathlib import Path
 # A file is one work unit (its module fixtures, a vLLM server or a shared reference run, start once), except the
 # files in SPREAD, whose tests are independent runs handed out one by one. Units go out longest first, so the two
 # workers finish together instead of one running a 2-minute smoke run alone at the end. Seconds
-# as measured under `make test` on 2 cores (the durations table in CI's log); a unit not listed weighs nothing and
-# keeps its collection order.
+# as measured under `make test` on 2 cores (each test's own time, 2026-12-07, from pytest's --junitxml; the
+# durations table in CI's log shows the slowest); a unit not listed weighs nothing and keeps its collection order.
 SPREAD = {"test_train_e2e.py", "test_golden.py"}
 TEST_SECONDS = {
     "test_expert_parallel_smoke_run_learns_and_publishes_every_expert": 140,
-    "test_golden_run_matches_its_pinned_figures": 60,
-    "test_golden_figures_hold_under_other_cpu_kernels": 65,
-    "test_exact_run_equals_the_naive_run_step_by_step": 100,
-    "test_a_hybrid_base_trains_exactly_as_the_naive_step": 95,
-    "test_longstraw_modes_train_through_ray": 80,
-    "test_retry_recipe_learns_from_multi_turn_episodes": 80,
-    "test_tool_use_recipe_learns_to_call_the_tool": 45,
+    "test_held_out_eval_samples_and_lr_schedule": 115,
+    "test_exact_run_equals_the_naive_run_step_by_step": 70,
+    "test_a_hybrid_base_trains_exactly_as_the_naive_step": 60,
+    "test_tool_use_recipe_learns_to_call_the_tool": 50,
+    "test_retry_recipe_learns_from_multi_turn_episodes": 45,
+    "test_golden_figures_hold_under_other_cpu_kernels": 45,
+    "test_golden_run_matches_its_pinned_figures": 40,
+    "test_cli_main_job_prints_json_last_line_under_zero3": 35,
+    "test_smoke_recipe_trains_lora_and_never_moves_the_base": 30,
+    "test_longstraw_modes_train_through_ray": 25,
 }
 FILE_SECONDS = {
-    "test_reliability.py": 650,
-    "test_vllm_real.py": 300,
-    "test_engines.py": 300,
-    "test_sharded_learner.py": 300,
-    "test_rollout_backends.py": 250,
-    "test_multinode.py": 200,
-    "test_quant.py": 150,
-    "test_workflow.py": 150,
-    "test_durability.py": 150,
-    "test_engine_conformance.py": 150,
-    "test_expert_parallel.py": 150,
-    "test_sandbox.py": 50,
+    "test_reliability.py": 660,
+    "test_vllm_real.py": 345,
+    "test_engines.py": 255,
+    "test_sharded_learner.py": 200,
+    "test_multinode.py": 160,
+    "test_context_parallel.py": 110,
+    "test_workflow.py": 105,
+    "test_vllm_lora_conformance.py": 105,
+    "test_overlap.py": 100,
+    "test_rollout_backends.py": 80,
+    "test_engine_conformance.py": 70,
+    "test_tiny.py": 70,
+    "test_quant.py": 70,
+    "test_preflight.py": 50,
+    "test_quant_int4.py": 50,
+    "test_serve.py": 35,
+    "test_sandbox.py": 35,
+    "test_durability.py": 35,
+    "test_eval_recovery.py": 35,
+    "test_kimi_checkpoint.py": 30,
 }
 
 
