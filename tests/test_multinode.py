@@ -102,10 +102,11 @@ def test_a_relative_run_root_is_refused_in_a_ray_job_copy(tmp_path):
     assert "absolute" in lines[0] and list(copy.iterdir()) == []
 
 
-def test_on_a_local_ray_the_drivers_node_is_checked_in_the_driver_and_nothing_is_shipped(tmp_path):
-    """A run that started its own Ray has one node, this machine: its check is the directory check of the model
-    the driver built (`check_node` called here, no task), and the tiny base's files are not put into Ray's object
-    store. The other nodes' checks and shipping run in the two-node tests below."""
+def test_the_drivers_own_node_is_checked_as_the_directory_it_built_and_nothing_is_shipped(tmp_path):
+    """`node_checks` with the driver's node as `local` (what `check_nodes` passes on a Ray this process started):
+    that node's check is the directory check of the tiny base the driver built, which `check_node` answers here,
+    and the base's files are not put into Ray's object store (no Ray is running in this test). The other nodes'
+    checks and shipping run in the two-node tests below."""
     from mint.models.tiny import ensure_tiny
     from mint.train.nodes import check_node, node_checks
 
